@@ -30,6 +30,8 @@ from kvwarm.server.schemas import (
     EvictRequest,
     InfillRequest,
     JsonBody,
+    LlamaCompletionRequest,
+    LlamaEmbeddingRequest,
     PrewarmRequest,
     RerankRequest,
     TokenizeRequest,
@@ -192,6 +194,44 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "input_suffix": "):",
                 "grammar": 'root ::= "a"',
             },
+        ],
+    ),
+    "/completion": (
+        LlamaCompletionRequest,
+        [
+            {
+                **SAMPLING,
+                "prompt": ["x", [1, 2]],
+                "n_predict": 2,
+                "n": 1,
+                "n_probs": 1,
+                "return_tokens": True,
+                "response_fields": ["content"],
+                # llama-server's fields kvwarm takes at their "off" values only.
+                "id_slot": -1,
+                "cache_prompt": True,
+                "mirostat": 0,
+                "dry_multiplier": 0.0,
+                "xtc_probability": 0.0,
+                "top_n_sigma": -1.0,
+                "dynatemp_range": 0.0,
+                "repeat_last_n": 64,
+                "min_keep": 0,
+                "n_indent": 0,
+                "t_max_predict_ms": -1,
+                "timings_per_token": False,
+                "return_progress": False,
+                "post_sampling_probs": False,
+            },
+            {**STREAMED, "model": "a", "prompt": "x", "json_schema": JSON_SCHEMA},
+            {"model": "a", "prompt": [1, 2], "grammar": 'root ::= "a"'},
+        ],
+    ),
+    "/embedding": (
+        LlamaEmbeddingRequest,
+        [
+            {"model": "a", "keep_alive": 300, "content": ["x", [1, 2]], "embd_normalize": 2},
+            {"model": "fim", "input": "x", "lora": [{"id": 0, "scale": 0.5}]},
         ],
     ),
     "/v1/embeddings": (
@@ -375,6 +415,8 @@ UNSET = {
     "/cache/prewarm": {"tenant_key"},
     # A path needs a configured key; both strings, which lax mode already held to one.
     "/admin/models/load": {"path", "id"},
+    # Any value is refused (kvwarm's samplers run in one order).
+    "/completion": {"samplers"},
 }
 
 #: Free-form values inside a body (JSON schemas, tool inputs, tool references): any JSON.
@@ -389,7 +431,7 @@ FREE_FORM = {
 #: Lists of texts or of token ids (or of lists of them): an item of the wrong type is named by
 #: the field alone (which of the union's lists it was meant for is a guess), and a number for a
 #: text or a text for a number may make another of its types.
-UNION_LISTS = {"prompt", "input"}
+UNION_LISTS = {"prompt", "input", "content"}
 
 
 def _wrong_values(path: tuple[str | int, ...], value: object) -> tuple[object, ...]:
@@ -411,6 +453,8 @@ def _wrong_values(path: tuple[str | int, ...], value: object) -> tuple[object, .
 def _leaves(value: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[Any, ...]]:
     """(path, value) of every scalar in a body, free-form values left out."""
     if len(path) > 1 and (path[-1] in FREE_FORM or ".".join(map(str, path[-2:])) in FREE_FORM):
+        return
+    if path == ("json_schema",):  # /completion's top-level JSON schema (llama-server's field)
         return
     if isinstance(value, dict):
         for key, item in value.items():
@@ -475,6 +519,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 
 #: Routes that take another's body (the same model).
 SAME_BODY = {
+    "/completions": "/completion",
+    "/embeddings": "/embedding",
+    "/apply-template": "/v1/chat/completions",
     "/rerank": "/v1/rerank",
     "/v2/rerank": "/v1/rerank",
     "/reranking": "/v1/rerank",
@@ -555,7 +602,7 @@ def test_a_wrong_typed_field_is_a_400_naming_it(
 
 
 #: Where an integer is an id (a prompt's token ids, a LoRA adapter's): a JSON integer only.
-ID_FIELDS = {"prompt", "input", "tokens"}
+ID_FIELDS = {"prompt", "input", "tokens", "content"}
 
 
 def _integers() -> list[Any]:

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run the OpenAI-compatible HTTP server",
         description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, "
         "/v1/responses, /v1/embeddings, /v1/rerank, /v1/models), Anthropic's (/v1/messages), "
-        "llama-server's /tokenize, /detokenize, /infill, /rerank, /reranking, /v1/reranking, "
+        "llama-server's /completion, /completions, /tokenize, /detokenize, /apply-template, "
+        "/infill, /embedding, /embeddings, /props, /slots, /rerank, /reranking, /v1/reranking, "
         "/v2/rerank and /lora-adapters, /health, /metrics, /cache/* (stats, rows, slots, "
         "prewarm, keepalive, evict, gc, verify), /admin/models/load|unload and a web page at / "
         "(a chat, the models and a live cache dashboard). Defaults: the embedded model, a disk "

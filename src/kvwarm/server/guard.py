@@ -49,9 +49,10 @@ from starlette.types import Scope, Send
 from kvwarm.settings import Settings
 
 ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/", "/cluster")
-#: Admin operations outside those prefixes, by (method, path): llama-server's route that sets
-#: what every later request of a model runs under (``server/lora.py``).
-ADMIN_ROUTES = frozenset({("POST", "/lora-adapters")})
+#: Admin operations outside those prefixes, by (method, path): llama-server's routes that set
+#: what every later request of a model runs under (``server/lora.py``; ``POST /props``, which
+#: changes nothing but is llama-server's way to change global properties).
+ADMIN_ROUTES = frozenset({("POST", "/lora-adapters"), ("POST", "/props")})
 OPEN_PATHS = frozenset({"/health", "/docs", "/openapi.json", "/"})
 OPEN_PREFIXES: tuple[str, ...] = ("/ui/",)  # the web page's static files (webui.py)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

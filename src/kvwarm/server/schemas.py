@@ -265,7 +265,18 @@ class ExtraChunk(_Body):
     filename: str = "tmp"
 
 
-class InfillRequest(SamplingFields):
+class LlamaFields(SamplingFields):
+    """llama-server's own fields of a generation in its shape (``/infill``, ``/completion``)."""
+
+    n_predict: JsonInt | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
+    # llama-server's: the top tokens' logprobs of each token (completion_probabilities), the
+    # generated ids in ``tokens``, and the final body cut to these fields ("a/b" unnested).
+    n_probs: JsonInt = Field(default=0, ge=0, le=20)
+    return_tokens: bool = False
+    response_fields: list[str] | None = Field(default=None, max_length=256)
+
+
+class InfillRequest(LlamaFields):
     """llama-server's ``/infill``: the code before and after the gap, optional context files,
     and ``prompt``, the start of the middle already written."""
 
@@ -273,12 +284,34 @@ class InfillRequest(SamplingFields):
     input_suffix: str = ""
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: str = ""
-    n_predict: JsonInt | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
-    # llama-server's: the top tokens' logprobs of each token (completion_probabilities), the
-    # generated ids in ``tokens``, and the final body cut to these fields ("a/b" unnested).
-    n_probs: JsonInt = Field(default=0, ge=0, le=20)
-    return_tokens: bool = False
-    response_fields: list[str] | None = Field(default=None, max_length=256)
+
+
+class LlamaCompletionRequest(LlamaFields):
+    """llama-server's ``/completion``: a prompt (text, token ids, or a list of them) continued,
+    answered in llama-server's shape. Its fields kvwarm cannot honour are declared so that a
+    value other than their "off" one is a 400 naming them (``completions.refuse_unsupported``),
+    never a field silently dropped."""
+
+    prompt: str | TokenIds | list[str | TokenIds]
+    # llama-server's name for n: choices per prompt.
+    n: JsonInt = Field(default=1, ge=1, le=64, validation_alias=AliasChoices("n", "n_cmpl"))
+    json_schema: dict[str, object] | None = None
+    # Refused unless "off" (llama-server's defaults): kvwarm has no such sampler or control.
+    id_slot: JsonInt = -1
+    cache_prompt: bool = True
+    mirostat: JsonInt = 0
+    dry_multiplier: StrictNumber = 0.0
+    xtc_probability: StrictNumber = 0.0
+    top_n_sigma: StrictNumber = -1.0
+    dynatemp_range: StrictNumber = 0.0
+    repeat_last_n: JsonInt = 64
+    min_keep: JsonInt = 0
+    n_indent: JsonInt = 0
+    t_max_predict_ms: JsonInt = -1
+    samplers: str | list[str] | None = None
+    timings_per_token: bool = False
+    return_progress: bool = False
+    post_sampling_probs: bool = False
 
 
 class ImageUrl(_Body):
@@ -439,6 +472,18 @@ class EmbeddingRequest(_Body):
     # llama-server's per-request adapters, as a completion's (found by review: the field was
     # ignored, unknown to the body, and the embedding ran under the global scales).
     lora: list[LoraItem] | None = Field(default=None, max_length=64)
+
+
+class LlamaEmbeddingRequest(_Body):
+    """llama-server's ``/embedding`` (``/embeddings``): ``content`` (or ``input``) as text,
+    token ids or a list of them; ``embd_normalize`` 2 (unit length) or -1 (none)."""
+
+    model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
+    content: str | TokenIds | list[str | TokenIds] | None = None
+    input: str | TokenIds | list[str | TokenIds] | None = None
+    embd_normalize: JsonInt = 2
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)  # as a completion's
 
 
 class RerankDocument(_Body):

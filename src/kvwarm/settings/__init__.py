@@ -291,7 +291,7 @@ class Settings(ModelSettings, ServingSettings):
     admin_key: Key = Field(
         default=None,
         description="bearer token required on admin endpoints (/cache/*, /admin/*, /cluster, "
-        "POST /lora-adapters); default: none",
+        "POST /lora-adapters, POST /props); default: none",
     )
     # Tenants (server/tenancy.py): each key presented gets its own cache namespace.
     cache_salt_from_auth: Bool = Field(

@@ -1,4 +1,5 @@
-"""Operational endpoints: health, metrics, tokenize/detokenize and cache administration.
+"""Operational endpoints: health, metrics, tokenize/detokenize, llama-server's ``/props`` and
+``/slots``, and cache administration.
 
 Invariant: ``/health`` is 200 once the configured models have been loaded and at least one model
 can be served (``status`` "degraded" while some failed); while they load it is a 503 with an
@@ -17,19 +18,23 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvwarm._version import __version__
+from kvwarm.backends.chat_template import BUILTIN_TEMPLATES
 from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.errors import ContextOverflowError
-from kvwarm.server import tenancy
+from kvwarm.server import convert, tenancy
 from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
 from kvwarm.server.keepalive import ChatPrefix, prompt_tokens
 from kvwarm.server.media import fetch_images
+from kvwarm.server.openai.completions import generation_settings
 from kvwarm.server.schemas import (
     DetokenizeRequest,
     EvictRequest,
     PrewarmRequest,
+    SamplingFields,
     TokenizeRequest,
     json_body,
     parse_body,
@@ -462,3 +467,116 @@ async def cache_verify(request: Request) -> Response:
     report = await run_in_threadpool(cache.verify)
     bad = [{"row": where, "reason": why} for where, why in report.bad]
     return JSONResponse({"checked": report.checked, "bad": bad})
+
+
+# --- llama-server's /props and /slots --------------------------------------------------------
+
+
+def _model_query() -> Any:
+    return Query(description="the model (default: the first configured one)")
+
+
+@router.get("/props")
+async def props(request: Request, model: Annotated[str | None, _model_query()] = None) -> Response:
+    """llama-server's ``GET /props``: the model's context, slots, template, special tokens and
+    the sampling a request gets by default, under llama-server's names."""
+    state = server_state(request)
+    served = await state.acquire(model)
+    info = await run_in_threadpool(served.info)
+    meta = info.metadata
+    special: dict[str, str] = {}
+    for name in ("bos", "eos"):
+        token = meta.get(f"tokenizer.ggml.{name}_token_id", "")
+        pieces = (
+            await run_in_threadpool(served.token_pieces, [int(token)]) if token.isdigit() else []
+        )
+        special[name] = b"".join(pieces).decode("utf-8", "replace")
+    defaults = convert.options(
+        SamplingFields(),
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        over_limit=state.settings.max_tokens_over_limit,
+    )
+    return JSONResponse(
+        {
+            "default_generation_settings": {
+                "params": generation_settings(defaults, 0, False),
+                "n_ctx": info.n_ctx,
+            },
+            "total_slots": info.n_parallel,
+            "model_alias": state.lora.reply_name(model, served),
+            "model_path": info.path,
+            "modalities": {
+                "vision": "image" in info.media,
+                "video": False,
+                "audio": "audio" in info.media,
+            },
+            "chat_template": _template_source(info.chat_template_name, meta),
+            "bos_token": special["bos"],
+            "eos_token": special["eos"],
+            "build_info": f"kvwarm {__version__}",
+            "endpoint_slots": True,
+            "endpoint_props": False,  # POST /props changes nothing (props_update)
+            "endpoint_metrics": True,
+            "is_sleeping": False,
+        }
+    )
+
+
+def _template_source(name: str, meta: Mapping[str, str]) -> str:
+    """The chat template's Jinja source ("" where kvwarm cannot say it: a template file)."""
+    if name == "gguf":
+        return meta.get("tokenizer.chat_template", "")
+    return BUILTIN_TEMPLATES.get(name.removesuffix(" (fallback)"), "")
+
+
+@router.post("/props")
+async def props_update(request: Request) -> Response:
+    """llama-server's ``POST /props`` (admin): no global property can be changed over HTTP
+    (llama-server's own changes none either), so any field is a 400 naming it; an empty
+    object answers as llama-server does."""
+    state = server_state(request)
+    body = await read_json(request, state.settings)
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    for name in body:
+        raise HTTPError(
+            400,
+            f"{name} cannot be changed over HTTP: kvwarm's settings are its configuration "
+            "(flags, config file); a request's own fields change its sampling",
+            param=str(name),
+            code="unsupported_parameter",
+        )
+    return JSONResponse({"success": True})
+
+
+@router.get("/slots")
+async def slots(
+    request: Request,
+    model: Annotated[str | None, _model_query()] = None,
+    fail_on_no_slot: Annotated[
+        str | None, Query(description="any value: a 503 when no slot is idle")
+    ] = None,
+) -> Response:
+    """llama-server's ``GET /slots``: each slot of the model, its counts only. Never a
+    request's prompt, reply or sampling settings (llama-server's ``prompt``, ``generated``,
+    ``params``): a slot may hold another tenant's request (``server/tenancy.py``)."""
+    state = server_state(request)
+    served = await state.acquire(model)
+    status = served.status()
+    n_ctx = (await run_in_threadpool(served.info)).n_ctx
+    data = [
+        {
+            "id": slot.seq,
+            "n_ctx": n_ctx,
+            "is_processing": slot.phase != "idle",
+            "n_prompt_tokens": slot.prompt_tokens,
+            "n_prompt_tokens_cache": slot.cached_tokens,
+            "n_prompt_tokens_processed": max(slot.prompt_tokens - slot.cached_tokens, 0),
+            "next_token": [{"n_decoded": slot.generated}],
+        }
+        for slot in status.slots
+    ]
+    if fail_on_no_slot is not None and all(s["is_processing"] for s in data):
+        raise HTTPError(503, "no slot available", code="no_slot_available")
+    return JSONResponse(data)

@@ -1,4 +1,5 @@
-"""``/v1/chat/completions``: tools planned, ``n`` choices prefilled once, streamed or not.
+"""``/v1/chat/completions``: tools planned, ``n`` choices prefilled once, streamed or not;
+llama-server's ``/apply-template``, the prompt such a chat sends.
 
 Invariants: as every route (``server/generate.py``: the event loop never blocks on the engine).
 Streamed choices interleave as their tokens arrive, each chunk naming its choice ``index``; each
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -152,6 +154,28 @@ async def chat_completions(request: Request) -> Response:
     return StreamingResponse(
         sse(events, choices.close), media_type="text/event-stream", headers=SSE_HEADERS
     )
+
+
+@router.post("/apply-template", openapi_extra=json_body(ChatRequest))
+async def apply_template(request: Request) -> Response:
+    """llama-server's ``/apply-template``: a chat completion's body, answered with the prompt
+    text that chat would send the model (its tools planned as the chat plans them), running
+    nothing."""
+    state = server_state(request)
+    raw = await read_json(request, state.settings)
+    check_count(raw, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(raw, ChatRequest)
+    model = await state.acquire(req.model)
+    plan = await chat.plan(
+        model,
+        req.messages,
+        req.tools,
+        req.tool_choice,
+        parallel=req.parallel_tool_calls,
+        settings=state.settings,
+    )
+    _, text = await run_in_threadpool(model.chat_tokens, plan.messages, tools=plan.tools)
+    return JSONResponse({"prompt": text})
 
 
 async def _events(

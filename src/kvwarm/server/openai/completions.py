@@ -1,5 +1,6 @@
 """``/v1/completions`` (``n`` choices, ``best_of`` candidates, ``echo`` with prompt logprobs,
-``suffix``) and llama-server's ``/infill``.
+``suffix``) and llama-server's ``/infill`` and ``/completion`` (``/completions``), which answer
+in llama-server's shape (``_llama_body``, ``_llama_chunks``).
 
 Invariants: as every route (``server/generate.py``: the event loop never blocks on the engine).
 Choice ``j`` of prompt ``i`` has index ``i * n + j``. ``echo`` with ``logprobs`` prefills the
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
@@ -32,6 +33,8 @@ from kvwarm.server.openai.choices import Choices, best_of, group_stats
 from kvwarm.server.schemas import (
     CompletionRequest,
     InfillRequest,
+    LlamaCompletionRequest,
+    LlamaFields,
     check_count,
     check_sampling,
     json_body,
@@ -49,7 +52,9 @@ router = APIRouter()
 Prompt = str | list[int]
 
 
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+def _prompts(
+    prompt: str | list[str] | list[int] | list[list[int]] | list[str | list[int]],
+) -> list[Prompt]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -389,32 +394,65 @@ async def infill(request: Request) -> Response:
             (done,) = await group.results()
         return JSONResponse(_infill_body(model_id, done, req, opts.max_tokens))
     await group.open_streaming()
-
-    async def events() -> AsyncIterator[dict[str, object]]:
-        async for _, fragment in group.merged():
-            if fragment is None or not (fragment.text or fragment.logprobs):
-                continue
-            chunk: dict[str, object] = {"index": 0, "content": fragment.text, "stop": False}
-            if req.n_probs:
-                chunk["completion_probabilities"] = convert.token_logprobs(
-                    fragment.logprobs, ids=True
-                )
-            yield chunk
-        (done,) = await group.results()
-        yield _infill_body(model_id, done, req, opts.max_tokens, streamed=True)
-
+    events = _llama_chunks(
+        group,
+        req,
+        lambda _, done: _infill_body(model_id, done, req, opts.max_tokens, streamed=True),
+    )
     return StreamingResponse(
-        sse(events(), group.close, done_line=False),
+        sse(events, group.close, done_line=False),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
 
 
+async def _llama_chunks(
+    group: Choices,
+    req: LlamaFields,
+    last: Callable[[int, Completion], Awaitable[dict[str, object]] | dict[str, object]],
+    *,
+    base: int = 0,
+    counts: bool = False,
+) -> AsyncIterator[dict[str, object]]:
+    """llama-server's stream of one prompt's choices: a ``data:`` chunk per fragment
+    (``index``, ``content``, ``stop`` false; with ``counts``, /completion's ``tokens`` and its
+    running ``tokens_predicted`` and ``tokens_evaluated``), then each choice's final body
+    (``last(index, done)``) as it ends. Choice ``j`` is index ``base + j``."""
+    predicted = [0 for _ in group.gens]
+    async for j, fragment in group.merged():
+        if fragment is None:
+            body = last(base + j, await group.gens[j].result())
+            yield body if isinstance(body, dict) else await body
+            continue
+        if not (fragment.text or fragment.logprobs):
+            continue
+        chunk: dict[str, object] = {"index": base + j, "content": fragment.text}
+        if counts:
+            ids = [t.token for t in fragment.logprobs]
+            predicted[j] += len(ids)
+            chunk["tokens"] = ids
+        chunk["stop"] = False
+        if counts:
+            chunk["tokens_predicted"] = predicted[j]
+            chunk["tokens_evaluated"] = len(group.gens[j].stream.prompt_tokens)
+        if req.n_probs:
+            chunk["completion_probabilities"] = convert.token_logprobs(fragment.logprobs, ids=True)
+        yield chunk
+
+
 def _infill_body(
-    model_id: str, done: Completion, req: InfillRequest, max_tokens: int, *, streamed: bool = False
+    model_id: str,
+    done: Completion,
+    req: LlamaFields,
+    max_tokens: int,
+    *,
+    streamed: bool = False,
+    index: int = 0,
+    extra: dict[str, object] | None = None,
 ) -> dict[str, object]:
-    """llama-server's final ``/infill`` body (its ``/completion``'s): a streamed reply's text
-    and tokens went out in its chunks, so its last has none, as llama-server's."""
+    """llama-server's final ``/infill`` body (its ``/completion``'s, with ``extra``: its
+    ``generation_settings`` and ``prompt``): a streamed reply's text and tokens went out in
+    its chunks, so its last has none, as llama-server's."""
     s = done.stats
     # Found by review: a reply a stop string ended said "eos" and named no word; llama-server
     # says "word" and names it (a FIM client tells a stop string from the model's end by it).
@@ -425,7 +463,7 @@ def _infill_body(
     else:
         stop_type = "eos"
     body: dict[str, object] = {
-        "index": 0,
+        "index": index,
         "content": "" if streamed else done.text,
         "tokens": list(done.completion_tokens) if req.return_tokens and not streamed else [],
         "stop": True,
@@ -439,6 +477,7 @@ def _infill_body(
         "stopping_word": s.stop_sequence or "",
         "tokens_cached": s.cached_tokens,
         "timings": convert.timings(s),
+        **(extra or {}),
     }
     if req.n_probs and not streamed:
         body["completion_probabilities"] = convert.token_logprobs(done.logprobs or (), ids=True)
@@ -460,3 +499,165 @@ def _fields(body: dict[str, object], paths: Sequence[str]) -> dict[str, object]:
         else:
             out[path] = value
     return out
+
+
+# --- /completion (llama-server) --------------------------------------------------------------
+
+#: llama-server's fields kvwarm has no sampler or control for, each with the value that turns
+#: it off (its default): any other value is a 400 naming the field, never dropped silently.
+_OFF: dict[str, tuple[object, str]] = {
+    "id_slot": (-1, "kvwarm picks the slot (the one holding the longest cached prefix)"),
+    "cache_prompt": (True, "kvwarm always reuses cached prompt KV, token-exact"),
+    "mirostat": (0, "kvwarm has no mirostat sampler"),
+    "dry_multiplier": (0.0, "kvwarm has no DRY sampler"),
+    "xtc_probability": (0.0, "kvwarm has no XTC sampler"),
+    "top_n_sigma": (-1.0, "kvwarm has no top-n-sigma sampler"),
+    "dynatemp_range": (0.0, "kvwarm has no dynamic temperature"),
+    "repeat_last_n": (64, "kvwarm's penalties count the reply's last 64 tokens"),
+    "min_keep": (0, "kvwarm's truncations keep no minimum"),
+    "n_indent": (0, "kvwarm has no indentation stop"),
+    "t_max_predict_ms": (-1, "kvwarm has no time limit per reply but request_timeout_s"),
+    "samplers": (None, "kvwarm's samplers run in llama-server's default order, fixed"),
+    "timings_per_token": (False, "kvwarm's timings come with the last chunk only"),
+    "return_progress": (False, "kvwarm sends no prompt progress events"),
+    "post_sampling_probs": (False, "kvwarm's probabilities are the model's, before sampling"),
+}
+
+
+def refuse_unsupported(req: LlamaCompletionRequest) -> None:
+    """A 400 naming the first field of ``_OFF`` given a value other than its "off" one."""
+    for name, (off, why) in _OFF.items():
+        value = getattr(req, name)
+        # top_n_sigma and t_max_predict_ms are off at any negative value, llama-server's rule.
+        if name in ("top_n_sigma", "t_max_predict_ms") and isinstance(value, int | float):
+            if value < 0:
+                continue
+        elif value == off:
+            continue
+        raise HTTPError(
+            400,
+            f"{name} {value!r} is not supported: {why} (send {off!r}, or leave it out)",
+            param=name,
+            code="unsupported_parameter",
+        )
+
+
+def generation_settings(opts: GenerationOptions, n_probs: int, stream: bool) -> dict[str, object]:
+    """llama-server's ``generation_settings``: the request's sampling as it ran, under
+    llama-server's names (its samplers kvwarm lacks at their "off" values)."""
+    bias = opts.logit_bias or {}
+    return {
+        # llama.cpp's LLAMA_DEFAULT_SEED: a fresh seed drawn per request.
+        "seed": 0xFFFFFFFF if opts.seed is None else opts.seed,
+        "temperature": opts.temperature,
+        "top_k": opts.top_k,
+        "top_p": opts.top_p,
+        "min_p": opts.min_p,
+        "typical_p": opts.typical_p,
+        "repeat_last_n": 64,
+        "repeat_penalty": opts.repeat_penalty,
+        "presence_penalty": opts.presence_penalty,
+        "frequency_penalty": opts.frequency_penalty,
+        "mirostat": 0,
+        "dry_multiplier": 0.0,
+        "xtc_probability": 0.0,
+        "top_n_sigma": -1.0,
+        "dynatemp_range": 0.0,
+        "stop": list(opts.stop),
+        "max_tokens": opts.max_tokens,
+        "n_predict": opts.max_tokens,
+        "ignore_eos": opts.ignore_eos,
+        "stream": stream,
+        "logit_bias": [{"bias": b, "token": t} for t, b in bias.items()],
+        "n_probs": n_probs,
+        "min_keep": 0,
+        "grammar": opts.grammar or "",
+    }
+
+
+_LLAMA_BODY = json_body(LlamaCompletionRequest, streams=True) | tenancy.openapi_header()
+
+
+@router.post("/completion", openapi_extra=_LLAMA_BODY)
+@router.post("/completions", openapi_extra=_LLAMA_BODY)
+async def llama_completion(request: Request) -> Response:
+    """llama-server's ``/completion``: each prompt continued, ``n`` (``n_cmpl``) choices of
+    each, answered in its shape: one body, or a list of them (choice ``j`` of prompt ``i`` has
+    index ``i * n + j``); streamed as ``data:`` chunks without ``[DONE]``."""
+    state = server_state(request)
+    raw = await read_json(request, state.settings)
+    check_count(raw, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
+    req = parse_body(raw, LlamaCompletionRequest)
+    check_sampling(req)
+    refuse_unsupported(req)
+    prompts = _prompts(req.prompt)
+    limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
+    convert.length_within(req.n_predict, "n_predict", limit, over_limit)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
+    opts = convert.options(
+        req,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=limit,
+        over_limit=over_limit,
+        max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
+        json_schema=req.json_schema,
+        # A stream's chunks carry their tokens' ids, which come with their logprobs.
+        logprobs=req.n_probs or (0 if req.stream else None),
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
+    )
+    model_id = state.lora.reply_name(req.model, model)
+    settings = generation_settings(opts, req.n_probs, req.stream)
+
+    async def last(index: int, done: Completion) -> dict[str, object]:
+        pieces = await run_in_threadpool(model.token_pieces, list(done.prompt_tokens))
+        text = b"".join(pieces).decode("utf-8", "replace")
+        extra: dict[str, object] = {"generation_settings": settings, "prompt": text}
+        return _infill_body(
+            model_id, done, req, opts.max_tokens, streamed=req.stream, index=index, extra=extra
+        )
+
+    def start(prompt: Prompt) -> Awaitable[Choices]:
+        submit = functools.partial(model.streams, prompt, opts, n=req.n, fragments=req.stream)
+        return Choices.start(
+            request, submit, "completion", model.id, state, user=req.user, names=req.sent_as()
+        )
+
+    if not req.stream:
+        bodies: list[dict[str, object]] = []
+        for p_index, prompt in enumerate(prompts):
+            group = await start(prompt)
+            async with group:
+                results = await group.results()
+            if group.disconnected:
+                return Response(status_code=499)
+            for j, done in enumerate(results):
+                bodies.append(await last(p_index * req.n + j, done))
+        return JSONResponse(bodies[0] if len(bodies) == 1 else bodies)
+
+    current = [await start(prompts[0])]  # the group streaming now, closed however it ends
+    await current[0].open_streaming()
+
+    async def events() -> AsyncIterator[dict[str, object]]:
+        for p_index, prompt in enumerate(prompts):
+            if p_index:
+                current[0].close()
+                current[0] = await start(prompt)
+                await current[0].open_streaming()
+            base = p_index * req.n
+            chunks = _llama_chunks(current[0], req, last, base=base, counts=True)
+            async for chunk in chunks:
+                yield chunk
+            if current[0].disconnected:
+                return
+
+    def close() -> None:
+        current[0].close()  # the group streaming when the response ends (the earlier: closed)
+
+    return StreamingResponse(
+        sse(events(), close, done_line=False),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )

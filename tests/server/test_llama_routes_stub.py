@@ -1,0 +1,188 @@
+"""llama-server's own routes (``/completion``, ``/completions``, ``/embedding``,
+``/embeddings``, ``/apply-template``, ``GET``/``POST /props``, ``/slots``) in llama-server's
+shapes, on the stub backend: what a llama-server client (its web page, llama.vim, scripts)
+reads of them. A field kvwarm cannot honour is a 400 naming it, never dropped silently."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+
+from .conftest import stub_settings, wait_ready
+
+ADMIN = "admin-secret"
+KEY = "api-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(stub_settings(api_key=KEY, admin_key=ADMIN))) as c:
+        wait_ready(c.get)
+        yield c
+
+
+def _events(text: str) -> list[dict[str, object]]:
+    assert "[DONE]" not in text  # llama-server's own routes send none
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+
+
+def test_completion_answers_in_llama_servers_shape(client: TestClient) -> None:
+    body = {"prompt": "hello there", "n_predict": 4, "temperature": 0, "return_tokens": True}
+    done = client.post("/completion", json=body, headers=AUTH)
+    assert done.status_code == 200, done.text
+    data = done.json()
+    assert data["stop"] is True and data["index"] == 0 and data["model"] == "a"
+    assert data["stop_type"] == "limit" and data["tokens_predicted"] == 4 == len(data["tokens"])
+    detok = client.post("/detokenize", json={"tokens": data["tokens"]}, headers=AUTH).json()
+    assert detok["content"] == data["content"]
+    settings = data["generation_settings"]
+    assert settings["n_predict"] == 4 and settings["temperature"] == 0
+    assert data["prompt"].endswith("hello there")
+    assert data["tokens_evaluated"] == data["timings"]["prompt_n"] + data["timings"]["cache_n"]
+    # /completions is the same route; n_probs gives llama-server's completion_probabilities.
+    probs = client.post("/completions", json={**body, "n_probs": 2}, headers=AUTH).json()
+    assert probs["content"] == data["content"]
+    assert [r["id"] for r in probs["completion_probabilities"]] == data["tokens"]
+
+
+def test_completion_streams_tokens_then_the_whole_body(client: TestClient) -> None:
+    body = {"prompt": "hello there", "n_predict": 5, "temperature": 0}
+    whole = client.post("/completion", json={**body, "return_tokens": True}, headers=AUTH).json()
+    streamed = client.post("/completion", json={**body, "stream": True}, headers=AUTH)
+    assert streamed.status_code == 200
+    events = _events(streamed.text)
+    chunks, last = events[:-1], events[-1]
+    assert all(c["stop"] is False and c["index"] == 0 for c in chunks)
+    assert "".join(str(c["content"]) for c in chunks) == whole["content"]
+    assert [t for c in chunks for t in c["tokens"]] == whole["tokens"]  # type: ignore[attr-defined]
+    assert chunks[-1]["tokens_predicted"] == 5
+    assert chunks[-1]["tokens_evaluated"] == whole["tokens_evaluated"]
+    assert last["stop"] is True and last["content"] == "" and last["tokens"] == []
+    assert isinstance(last["generation_settings"], dict) and "timings" in last
+
+
+def test_completion_of_several_prompts_is_a_list_indexed_as_llama_server(
+    client: TestClient,
+) -> None:
+    body = {"prompt": ["one", [5, 6, 7]], "n_predict": 2, "n": 2, "temperature": 0}
+    data = client.post("/completion", json=body, headers=AUTH).json()
+    assert isinstance(data, list) and [d["index"] for d in data] == [0, 1, 2, 3]
+    events = _events(client.post("/completion", json={**body, "stream": True}, headers=AUTH).text)
+    ends = sorted(int(str(e["index"])) for e in events if e["stop"] is True)
+    assert ends == [0, 1, 2, 3]
+    assert client.post("/completion", json={**body, "n_cmpl": 3}, headers=AUTH).status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("mirostat", 2),
+        ("dry_multiplier", 0.8),
+        ("xtc_probability", 0.5),
+        ("top_n_sigma", 1.0),
+        ("dynatemp_range", 0.5),
+        ("repeat_last_n", 128),
+        ("min_keep", 1),
+        ("id_slot", 0),
+        ("cache_prompt", False),
+        ("n_indent", 4),
+        ("t_max_predict_ms", 500),
+        ("samplers", ["top_k", "temperature"]),
+        ("timings_per_token", True),
+        ("return_progress", True),
+        ("post_sampling_probs", True),
+    ],
+)
+def test_completion_refuses_what_kvwarm_cannot_do_by_name(
+    client: TestClient, field: str, value: object
+) -> None:
+    body = {"prompt": "x", "n_predict": 1, field: value}
+    refused = client.post("/completion", json=body, headers=AUTH)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and error["code"] == "unsupported_parameter"
+
+
+def test_completion_takes_the_off_values_llama_server_clients_send(client: TestClient) -> None:
+    off = {"cache_prompt": True, "id_slot": -1, "mirostat": 0, "top_n_sigma": -1.0}
+    done = client.post("/completion", json={"prompt": "x", "n_predict": 1, **off}, headers=AUTH)
+    assert done.status_code == 200, done.text
+
+
+def test_embedding_is_llama_servers_list_of_vectors(client: TestClient) -> None:
+    oai = client.post("/v1/embeddings", json={"input": ["x", "yz"]}, headers=AUTH).json()
+    for route, field in (("/embedding", "content"), ("/embeddings", "input")):
+        data = client.post(route, json={field: ["x", "yz"]}, headers=AUTH).json()
+        assert [d["index"] for d in data] == [0, 1]
+        assert [d["embedding"] for d in data] == [[d["embedding"]] for d in oai["data"]]
+    raw = client.post("/embedding", json={"content": "x", "embd_normalize": -1}, headers=AUTH)
+    assert raw.status_code == 200
+    refused = client.post("/embedding", json={"content": "x", "embd_normalize": 1}, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "embd_normalize"
+    none = client.post("/embedding", json={"model": "a"}, headers=AUTH)
+    assert none.status_code == 400 and none.json()["error"]["param"] == "content"
+
+
+def test_apply_template_is_the_prompt_a_chat_sends(client: TestClient) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = client.post("/apply-template", json={"messages": messages}, headers=AUTH)
+    assert prompt.status_code == 200, prompt.text
+    text = prompt.json()["prompt"]
+    assert "be brief" in text and "hi" in text
+    chat = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, headers=AUTH
+    ).json()
+    tokens = client.post(
+        "/tokenize", json={"content": text, "parse_special": True}, headers=AUTH
+    ).json()["tokens"]
+    assert len(tokens) == chat["usage"]["prompt_tokens"]
+
+
+def test_props_say_the_models_context_slots_and_defaults(client: TestClient) -> None:
+    props = client.get("/props", headers=AUTH).json()
+    assert props["total_slots"] == 4 and props["model_alias"] == "a"
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 1024 and settings["params"]["n_predict"] == 32
+    assert client.get("/props?model=b", headers=AUTH).json()["default_generation_settings"][
+        "n_ctx"
+    ] == 256
+
+
+def test_post_props_is_admin_and_changes_nothing_silently(client: TestClient) -> None:
+    assert client.post("/props", json={}, headers=AUTH).status_code == 401
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert client.post("/props", json={}, headers=admin).json() == {"success": True}
+    refused = client.post("/props", json={"n_ctx": 8}, headers=admin)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n_ctx"
+
+
+def test_slots_show_counts_never_a_tenants_prompt(client: TestClient) -> None:
+    secret = "the other tenant's secret prompt"
+    done = client.post("/completion", json={"prompt": secret, "n_predict": 2}, headers=AUTH)
+    assert done.status_code == 200
+    slots = client.get("/slots", headers=AUTH)
+    assert slots.status_code == 200
+    data = slots.json()
+    assert [s["id"] for s in data] == [0, 1, 2, 3] and all(s["n_ctx"] == 1024 for s in data)
+    # An idle slot's request counts are zero (SlotStatus: kvwarm keeps no finished request's).
+    assert all(s["is_processing"] is False and s["n_prompt_tokens"] == 0 for s in data)
+    assert "secret" not in slots.text
+    assert not {"prompt", "generated", "params"} & {k for s in data for k in s}
+    assert client.get("/slots").status_code == 401  # the API key, as every other route
+
+
+def test_a_foreign_origin_cannot_drive_the_new_routes(client: TestClient) -> None:
+    evil = {**AUTH, "Origin": "http://evil.example"}
+    for route, body in (
+        ("/completion", {"prompt": "x"}),
+        ("/embedding", {"content": "x"}),
+        ("/apply-template", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        assert client.post(route, json=body, headers=evil).status_code == 403
+    assert client.get("/slots", headers=evil).status_code == 403
