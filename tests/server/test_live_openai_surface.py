@@ -237,3 +237,24 @@ def test_suffix_and_infill_need_fim_tokens(client: OpenAI, server: LiveServer) -
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "fim_not_supported"
+
+
+def test_llama_completion_writes_what_v1_completions_writes(
+    client: OpenAI, server: LiveServer
+) -> None:
+    """llama-server's /completion runs the same generation as /v1/completions: at temperature
+    0 the same text, its tokens that text, streamed or not."""
+    prompt = "The capital of France is"
+    want = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    body = {"model": MODEL, "prompt": prompt, "n_predict": 6, "temperature": 0}
+    got = httpx.post(
+        server.base_url + "/completion", json={**body, "return_tokens": True}, timeout=120
+    ).json()
+    assert got["content"] == want.choices[0].text and len(got["tokens"]) == 6
+    assert got["prompt"].endswith(prompt)
+    streamed = httpx.post(
+        server.base_url + "/completion", json={**body, "stream": True}, timeout=120
+    ).text
+    events = [json.loads(x[6:]) for x in streamed.split("\n") if x.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == got["content"]
+    assert [t for e in events[:-1] for t in e["tokens"]] == got["tokens"]

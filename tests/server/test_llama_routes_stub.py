@@ -149,9 +149,10 @@ def test_props_say_the_models_context_slots_and_defaults(client: TestClient) -> 
     assert props["total_slots"] == 4 and props["model_alias"] == "a"
     settings = props["default_generation_settings"]
     assert settings["n_ctx"] == 1024 and settings["params"]["n_predict"] == 32
-    assert client.get("/props?model=b", headers=AUTH).json()["default_generation_settings"][
-        "n_ctx"
-    ] == 256
+    assert (
+        client.get("/props?model=b", headers=AUTH).json()["default_generation_settings"]["n_ctx"]
+        == 256
+    )
 
 
 def test_post_props_is_admin_and_changes_nothing_silently(client: TestClient) -> None:
