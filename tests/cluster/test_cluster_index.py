@@ -135,6 +135,77 @@ def test_a_served_note_arriving_after_its_replica_died_does_not_revive_it() -> N
     assert index.reach(("h1",), None, {"a": "n1"}) == {"a": {"local": 80}}
 
 
+def at(index: ClusterIndex, replica: str, log: EventLog, now: float) -> None:
+    index.observe(replica, "n1", {"events": log.report()}, now)
+
+
+def test_a_conversation_is_let_go_once_its_slot_and_its_row_are_gone() -> None:
+    # ``let_go``: of the conversations a router sent to a replica, those the replica
+    # demonstrably holds nothing of (``AffinityRouter._claims`` ends its own record there).
+    index = ClusterIndex()
+    log = EventLog(PLACES, slots=1)
+    ends = {"h1", "h2", "h3", "never"}
+    log.row_stored(row("k1"))  # saved before the reply's end was reported
+    log.served(("h1",), key("k1"), 100)
+    at(index, "a", log, 0.0)
+    assert index.let_go("a", ends, 0.0) == set()  # live
+    log.served(("h2",), key("k2"), 100)  # h1's slot reused; k2's save still on its way
+    at(index, "a", log, 1.0)
+    assert index.let_go("a", ends, 1.0) == set()  # k1 in RAM; k2 live
+    log.served(("h3",), None, 100)  # h2's slot reused too; h3 had no finish save
+    log.row_stored(row("k2"))  # k2's row, reported after its slot's reuse
+    log.row_dropped(row("k1"), bytes_kept=True)  # k1 moves to disk, as the cache says it:
+    log.row_stored(row("k1", "disk"))  # gone from RAM, then stored there
+    at(index, "a", log, 2.0)
+    assert index.let_go("a", ends, 2.0) == set()  # every row still held somewhere
+    log.row_dropped(row("k1", "disk"), bytes_kept=False)
+    log.row_dropped(row("k2"), bytes_kept=False)
+    log.served(("h4",), None, 100)  # h3's slot reused: it never had a row
+    at(index, "a", log, 3.0)
+    assert index.let_go("a", ends, 3.0) == {"h1", "h2", "h3"}  # "never": not served there
+    assert index.let_go("b", ends, 3.0) == set()  # nor anything on a replica not known
+    log.served(("h1",), key("k1"), 100)  # h1 sent and served there again: live
+    at(index, "a", log, 4.0)
+    assert index.let_go("a", ends, 4.0) == {"h2", "h3"}
+
+
+def test_a_finish_row_never_reported_is_let_go_after_a_bound() -> None:
+    # A save dropped (a full writer queue) or failed never reports its row: the slot's
+    # reuse alone does not let go of the conversation until ``ROW_REPORT_S`` after the
+    # replica reported its slot (its row may be on its way), then it does.
+    index = ClusterIndex()
+    log = EventLog(PLACES, slots=1)
+    log.served(("h1",), key("k1"), 100)
+    at(index, "a", log, 100.0)
+    log.served(("h2",), None, 100)
+    at(index, "a", log, 101.0)
+    bound = index_module.ROW_REPORT_S
+    assert index.let_go("a", {"h1"}, 100.0 + bound - 1) == set()
+    assert index.let_go("a", {"h1"}, 100.0 + bound) == {"h1"}
+    # Reports without a time (a caller passing none): the bound runs from the first ask.
+    untimed, log = ClusterIndex(), EventLog(PLACES, slots=1)
+    log.served(("h1",), key("k1"), 100)
+    log.served(("h2",), None, 100)
+    untimed.observe("a", "n1", {"events": log.report()})
+    assert untimed.let_go("a", {"h1"}, 500.0) == set()
+    assert untimed.let_go("a", {"h1"}, 500.0 + bound) == {"h1"}
+
+
+def test_the_conversations_let_go_follows_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index_module, "SERVED_KEPT", 3)
+    index = ClusterIndex()
+    log = EventLog(PLACES, slots=1, capacity=1 << 16, max_events=1 << 16)
+    for i in range(50):
+        log.served((f"h{i}",), key(f"k{i}"), 10)
+    log.row_stored(row("k49"))
+    at(index, "a", log, 0.0)
+    state = index._replicas["a"]
+    assert list(state.served) == ["h47", "h48", "h49"]
+    assert set(state.served_rows) == {key("k47"), key("k48"), key("k49")}
+    # One forgotten: not known to be gone, so never let go (the router's record stays).
+    assert index.let_go("a", {"h0", "h47"}, 1e9) == {"h47"}
+
+
 def test_a_snapshot_keeps_the_shared_copies_no_replica_vouches_for() -> None:
     # A snapshot replaced what its replica vouched for by dropping all of it first: its own
     # shared copies passed through the bounded set of unvouched ones and pushed out copies

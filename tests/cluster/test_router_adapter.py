@@ -461,3 +461,101 @@ def test_a_stop_signal_while_the_application_deploys_stops_kvwarm_cluster(
     assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 0
     assert removed == [True]  # the application (and an own Ray) removed on the way out
     assert "kvwarm cluster: http://" not in capsys.readouterr().out
+
+
+# ---- the router's own record of a conversation ends when its replica holds none of it -----
+
+DOCUMENT = tuple(range(1000, 1256))  # a long document two conversations start with
+
+
+def tokenized(pending: FakePending, n: int) -> FakePending:
+    call = pending.args[0]
+    assert isinstance(call, Generate)
+    pending.args[0] = dataclasses.replace(call, tokens=(*DOCUMENT, *range(n)))
+    return pending
+
+
+def one_slot_pair() -> tuple[AffinityRouter, FakeReplica, FakeReplica, EventLog, EventLog]:
+    """Replicas a and b of one slot each; b's RAM holds the document's chunks (another
+    conversation over it), a's nothing yet."""
+    from kvwarm.cache.formats.chunkfmt import chunk_keys
+
+    r = router("events")
+    log_a, log_b = EventLog(places(), epoch="a", slots=1), EventLog(places(), epoch="b")
+    info = RowInfo(
+        b"doc".ljust(32, b"."), "ram", 1, 256, 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT,
+        False, NS,
+    )  # fmt: skip
+    log_b.row_stored(StoredRow(info, DOCUMENT, None, chunk_keys(NS, DOCUMENT, (256,)), (256,)))
+    a, b = FakeReplica("a", node_id="node-1"), FakeReplica("b", node_id="node-2")
+    report(r, (a, log_a), (b, log_b))
+    return r, a, b, log_a, log_b
+
+
+def report(r: AffinityRouter, *replicas: tuple[FakeReplica, EventLog]) -> None:
+    from kvwarm.cluster.routing.facts import encode_namespace
+
+    for replica, log in replicas:
+        replica.routing_stats = {"events": log.report(), "namespaces": {"m": encode_namespace(NS)}}
+    r.update_replicas([replica for replica, _ in replicas])  # type: ignore[misc]
+
+
+async def first_choice(r: AffinityRouter, replicas: list[FakeReplica], pending: FakePending) -> str:
+    groups = await r.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+    return str(groups[0][0].name)  # type: ignore[attr-defined]
+
+
+async def test_its_own_route_stops_counting_once_the_replica_holds_nothing_of_it() -> None:
+    """Found by review: the router's record of where it sent a conversation counted the
+    earlier prompt at the ``live`` weight there for good, so after that replica reported
+    the slot reused and the row evicted, the follow-up still went there (to prefill it
+    all) over a replica holding most of the prompt in RAM."""
+    r, a, b, log_a, log_b = one_slot_pair()
+    first = tokenized(chat("hello"), 44)
+    chain = request_chain(first)  # type: ignore[arg-type]
+    r.on_request_routed(first, a.replica_id, None)  # type: ignore[arg-type]
+    key = b"turn1".ljust(32, b".")
+    r.index.note_served(full_id(a), chain, key, 300)  # the ingress, as the response ended
+    log_a.served(chain, key, 300)
+    turn1 = stored("turn1", "ram", 300)
+    log_a.row_stored(turn1)
+    # Then a's one slot went to another conversation and its RAM let the row go.
+    log_a.served(("other",), None, 50)
+    log_a.row_dropped(turn1, bytes_kept=False)
+    report(r, (a, log_a), (b, log_b))
+    assert r.index.reach(chain, None, {full_id(a): "node-1"}) == {}  # a holds none of it
+    follow_up = tokenized(chat("hello", "more"), 84)
+    assert await first_choice(r, [a, b], follow_up) == "b"  # 256 x 0.95 in b's RAM
+    # A conversation sent there and not reported since (still running) keeps its claim.
+    second = tokenized(chat("hello", "again"), 44)
+    r.on_request_routed(second, a.replica_id, None)  # type: ignore[arg-type]
+    assert await first_choice(r, [a, b], tokenized(chat("hello", "again", "more"), 84)) == "a"
+
+
+async def test_its_own_route_holds_while_the_finish_row_is_on_its_way() -> None:
+    """One slot a replica: the next conversation sent there reuses the slot at once, and
+    the finish row's report comes after the slot's. The follow-up must stay (an earlier
+    fix dropped the record on the slot's reuse alone, and live clusters saw conversations
+    switch replicas); only the row's own report of leaving a's tiers ends it."""
+    r, a, b, log_a, log_b = one_slot_pair()
+    first = tokenized(chat("hello"), 44)
+    chain = request_chain(first)  # type: ignore[arg-type]
+    r.on_request_routed(first, a.replica_id, None)  # type: ignore[arg-type]
+    key = b"turn1".ljust(32, b".")
+    r.index.note_served(full_id(a), chain, key, 300)
+    log_a.served(chain, key, 300)
+    # Conversations in turn: the next one on a takes its slot before turn 1's row is saved.
+    other = chat("another conversation")
+    r.on_request_routed(other, a.replica_id, None)  # type: ignore[arg-type]
+    r.index.note_served(full_id(a), request_chain(other), None, 50)  # type: ignore[arg-type]
+    log_a.served(request_chain(other), None, 50)  # type: ignore[arg-type]
+    report(r, (a, log_a), (b, log_b))
+    follow_up = tokenized(chat("hello", "more"), 84)
+    assert await first_choice(r, [a, b], follow_up) == "a"  # its row is on its way
+    turn1 = stored("turn1", "ram", 300)
+    log_a.row_stored(turn1)  # the row's report, after the slot's
+    report(r, (a, log_a), (b, log_b))
+    assert await first_choice(r, [a, b], follow_up) == "a"
+    log_a.row_dropped(turn1, bytes_kept=False)  # now a holds nothing of it
+    report(r, (a, log_a), (b, log_b))
+    assert await first_choice(r, [a, b], follow_up) == "b"

@@ -233,7 +233,7 @@ class AffinityRouter(RequestRouter):
         request = route_request(pending_request)
         for replica in candidate_replicas:
             self._ingest(replica)
-        routed = self._table.warm_of(request.chain)
+        routed = self._claims(request.chain)
         running = {_rid(r): r.node_id for r in candidate_replicas}
         if request.tokens and pending_request is not None:
             call = pending_request.args[0]
@@ -264,6 +264,32 @@ class AffinityRouter(RequestRouter):
             )
         decision = self._policy.rank(request, views)
         return [[by_id[i] for i in group] for group in decision.groups]
+
+    def _claims(self, chain: Sequence[str]) -> dict[str, set[str]]:
+        """Where this router's record places ``chain``'s hashes, per replica, up to the
+        longest conversation sent there of which the replica may still hold something: one
+        whose slot it reported reused and whose finish row it reported gone from its tiers
+        (``ClusterIndex.let_go``) is the index's to place, by what the replica still holds.
+        Found by review: the record counted an earlier prompt at the ``live`` weight there for
+        good, over a replica holding most of it in RAM. A slot's reuse alone does not end it:
+        with one slot a replica the next conversation reuses it at once, and the finish row's
+        report often comes after the slot's."""
+        out: dict[str, set[str]] = {}
+        now = time.time()
+        for rid, held in self._table.warm_of(chain).items():
+            ends = self._table.ends_in(held)
+            gone = self._index.let_go(rid, ends, now) if ends else set()
+            if not gone:
+                out[rid] = held
+                continue
+            # Hashes past the last end sent came with a longer conversation that branched off
+            # this chain (an edited message): nothing says it is gone, so they stay.
+            at = [i for i, h in enumerate(chain) if h in ends]
+            cut = max((i for i in at if chain[i] not in gone), default=-1)
+            claim = {h for i, h in enumerate(chain) if h in held and (i <= cut or i > at[-1])}
+            if claim:
+                out[rid] = claim
+        return out
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: object

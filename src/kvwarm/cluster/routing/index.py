@@ -8,6 +8,10 @@ What it keeps:
   reads (``cluster``). Each copy counts the replicas whose index holds it (*vouchers*) and
   references its chunk keys, counted per store.
 - *Live slots*: per replica, the chain ends of the conversations its slots hold.
+- *Served conversations*: per replica, the chain ends its slots held lately (the most recent
+  ``SERVED_KEPT``), each with its finish row's key, whether the replica reported that row
+  since, and whether its slot was reused: what ``let_go`` reads (a router's own record of
+  sending a conversation there ends once the replica holds nothing of it).
 - *Links*: chain end -> the row key its request saved (content facts, bounded).
 - *Chunk steps*, per store: after a chunk key (or the root), the lengths of the chunks that
   follow it in the store's rows, counted. With the request's tokens and namespace, ``reach``
@@ -74,6 +78,13 @@ Reach = dict[str, int]  # tokens a replica could serve of a request, per source 
 LINKS = 262144
 UNVOUCHED = 65536
 DEAD_KEPT = 16  # dead replicas listed by ``describe``
+SERVED_KEPT = 4096  # per replica: conversations ``let_go`` follows (``_Served``)
+# How long after a replica reported a conversation's slot (its reply's end, when its finish
+# save was handed to the cache's writers) a finish row it never reported is taken to be
+# dropped (a full writer queue, a failed save): a save is a pack and one copy into a tier
+# behind at most ``writer_queue`` (8) others on ``writer_threads`` (2), seconds even for a
+# long context; replicas report every 0.5 s (``deploy.STATS_PERIOD_S``).
+ROW_REPORT_S = 60.0
 # Report fields ``describe`` leaves out: events are applied, the rest is the router's
 # (``warm``: chain hashes; ``namespaces``: bytes, read off the report where it routes).
 _NOT_DESCRIBED = ("events", "warm", "namespaces")
@@ -163,6 +174,18 @@ class _ChunkWalk:
 
 
 @dataclass(slots=True)
+class _Served:
+    """A conversation a replica's slot held (its ``Live``): the key of its finish row (None:
+    no finish save), whether the replica reported that row in a tier since (or held it
+    then), when (its report's time) and whether its slot was since reported reused."""
+
+    key: bytes | None
+    row_seen: bool
+    live_at: float | None
+    slot_gone: bool = False
+
+
+@dataclass(slots=True)
 class _Replica:
     epoch: str | None = None
     seq: int = 0
@@ -170,6 +193,8 @@ class _Replica:
     slots: int = 1
     vouches: set[tuple[bytes, Store]] = field(default_factory=set)
     live: OrderedDict[str, tuple[bytes | None, int]] = field(default_factory=OrderedDict)
+    served: OrderedDict[str, _Served] = field(default_factory=OrderedDict)
+    served_rows: dict[bytes, set[str]] = field(default_factory=dict)  # key -> ``served`` ends
     stats: Mapping[str, object] = field(default_factory=dict)
     reported_at: float | None = None
     resyncs: int = 0
@@ -463,6 +488,34 @@ class ClusterIndex:
                     give_store(store, copy.source, copy.n_tokens)
         return out
 
+    def let_go(self, replica: str, ends: Iterable[str], now: float) -> set[str]:
+        """Of ``ends`` (chain ends a router sent to ``replica``), those of which the replica
+        demonstrably holds nothing: it reported their slot reused, and their finish row is in
+        none of its tiers, having been reported there since the slot held it (then dropped),
+        or never reported ``ROW_REPORT_S`` after the slot was (a save dropped), or never made
+        (no finish save). A row reported after its slot's reuse (the save still on its way
+        when the next conversation took the slot) keeps the end held. An end this index knows
+        nothing of (not served yet, or past ``SERVED_KEPT``) is never let go."""
+        out: set[str] = set()
+        with self._lock:
+            state = self._replicas.get(replica)
+            if state is None:
+                return out
+            for end in ends:
+                served = state.served.get(end)
+                if served is None or not served.slot_gone:
+                    continue
+                if served.key is not None:
+                    if self._vouched(state, served.key):
+                        continue
+                    if not served.row_seen:
+                        if served.live_at is None:  # reports without a time: from now on
+                            served.live_at = now
+                        if now - served.live_at < ROW_REPORT_S:
+                            continue
+                out.add(end)
+        return out
+
     def held(self, replica: str) -> int:
         """Facts a replica vouches for (rows and live slots): how much it holds."""
         with self._lock:
@@ -589,6 +642,12 @@ class ClusterIndex:
         copy.vouchers.add(replica)
         self._unvouched.pop((fact.key, store), None)
         state.vouches.add((fact.key, store))
+        for end in state.served_rows.get(fact.key, ()):
+            state.served[end].row_seen = True
+
+    def _vouched(self, state: _Replica, key: bytes) -> bool:
+        """Whether the replica of ``state`` vouches for a copy of ``key`` in any store."""
+        return any((key, store) in state.vouches for store in self._copies.get(key, {}))
 
     def _drop_copy(
         self, replica: str, state: _Replica, key: bytes, store: Store, bytes_kept: bool
@@ -648,6 +707,7 @@ class ClusterIndex:
     def _set_live(self, replica: str, state: _Replica, fact: Live) -> None:
         state.live.pop(fact.chain_end, None)
         state.live[fact.chain_end] = (fact.key, fact.n_tokens)
+        self._serve(state, fact)
         self._live.setdefault(fact.chain_end, {})[replica] = fact.n_tokens
         while len(state.live) > max(1, state.slots):
             oldest = next(iter(state.live))
@@ -655,11 +715,40 @@ class ClusterIndex:
 
     def _unset_live(self, replica: str, state: _Replica, end: str) -> None:
         state.live.pop(end, None)
+        served = state.served.get(end)
+        if served is not None:
+            served.slot_gone = True
         holders = self._live.get(end)
         if holders is not None:
             holders.pop(replica, None)
             if not holders:
                 del self._live[end]
+
+    def _serve(self, state: _Replica, fact: Live) -> None:
+        """Note (in ``served``) that a slot holds ``fact``'s conversation; the oldest past
+        ``SERVED_KEPT`` go."""
+        end, key = fact.chain_end, fact.key
+        served = state.served.pop(end, None)
+        if served is None or served.key != key:
+            if served is not None and served.key is not None:
+                self._unserve_row(state, served.key, end)
+            served = _Served(key, key is not None and self._vouched(state, key), None)
+            if key is not None:
+                state.served_rows.setdefault(key, set()).add(end)
+        served.live_at, served.slot_gone = state.reported_at, False
+        state.served[end] = served
+        while len(state.served) > SERVED_KEPT:
+            old_end, old = state.served.popitem(last=False)
+            if old.key is not None:
+                self._unserve_row(state, old.key, old_end)
+
+    @staticmethod
+    def _unserve_row(state: _Replica, key: bytes, end: str) -> None:
+        ends = state.served_rows.get(key)
+        if ends is not None:
+            ends.discard(end)
+            if not ends:
+                del state.served_rows[key]
 
     def _link(self, end: str, key: bytes) -> None:
         self._links[end] = key

@@ -46,9 +46,9 @@ class AffinityTable:
         self.capacity = capacity
         self._owner: OrderedDict[str, str] = OrderedDict()
         self._counts: dict[str, int] = {}
-        #: A routed prompt's token count, under its chain's last hash (where the ingress
-        #: tokenized it): its follow-up extends that prompt, so its replica holds at least
-        #: that many of the follow-up's tokens before any report says so.
+        #: A routed prompt's token count (0: not tokenized), under its chain's last hash:
+        #: its follow-up extends that prompt, so its replica holds at least that many of the
+        #: follow-up's tokens before any report says so. Its keys are the chain ends sent.
         self._tokens: dict[str, int] = {}
 
     def _drop(self, h: str) -> None:
@@ -64,7 +64,7 @@ class AffinityTable:
                 self._drop(h)
             self._owner[h] = replica_id
             self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
-        if tokens and chain:
+        if chain:
             self._tokens[chain[-1]] = tokens
         while len(self._owner) > self.capacity:
             self._drop(next(iter(self._owner)))
@@ -92,6 +92,10 @@ class AffinityTable:
         among ``held`` (a replica's hashes of ``chain``); 0 when none was counted."""
         known = [self._tokens.get(h, 0) for h in held]
         return max(known, default=0)
+
+    def ends_in(self, held: Iterable[str]) -> set[str]:
+        """Which of ``held`` (a replica's hashes of a chain) end a chain this table sent."""
+        return {h for h in held if h in self._tokens}
 
     def __len__(self) -> int:
         return len(self._owner)
