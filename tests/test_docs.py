@@ -297,6 +297,12 @@ def sent_errors() -> set[tuple[int, str]]:
         value = node.value if isinstance(node, ast.Constant) else None
         return value if isinstance(value, str) and code.fullmatch(value) else None
 
+    def words(node: ast.expr | None) -> list[str | None]:
+        """A code, or both of a conditional's (``"a_b" if refused else "c_d"``)."""
+        if isinstance(node, ast.IfExp):
+            return [word(node.body), word(node.orelse)]
+        return [word(node)]
+
     found: set[tuple[int, str]] = set()
     for top in ("server", "cluster"):
         for path in (ROOT / "src" / "kvwarm" / top).rglob("*.py"):
@@ -304,7 +310,7 @@ def sent_errors() -> set[tuple[int, str]]:
                 pair: list[tuple[int | None, str | None]] = []
                 if isinstance(node, ast.Call) and node.args:
                     given = next((k.value for k in node.keywords if k.arg == "code"), None)
-                    pair.append((status(node.args[0]), word(given)))
+                    pair += [(status(node.args[0]), name) for name in words(given)]
                     if isinstance(node.func, ast.Name) and node.func.id == "ErrorKind":
                         pair.append((status(node.args[0]), word(node.args[-1])))
                 elif isinstance(node, ast.Tuple) and len(node.elts) >= 3:
