@@ -415,13 +415,15 @@ def test_unknown_model_is_404(client: TestClient) -> None:
         ({"model": "a"}, "invalid_type", "prompt"),
         ({"model": "a", "prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
         ({"model": "a", "prompt": "x", "n": 9}, "invalid_value", "n"),  # > n_parallel
-        ({"model": "a", "prompt": "x", "n": 0}, "invalid_type", "n"),
+        # Out of range, as 9 is (server.md's errors: invalid_type is a wrong JSON type; these
+        # were invalid_type, found by the docs run).
+        ({"model": "a", "prompt": "x", "n": 0}, "invalid_value", "n"),
         # best_of: candidates the n are chosen from (OpenAI's rules), bounded as n is.
         ({"model": "a", "prompt": "x", "n": 3, "best_of": 2}, "invalid_value", "best_of"),
         ({"model": "a", "prompt": "x", "best_of": 2, "stream": True}, "invalid_value", "best_of"),
         ({"model": "a", "prompt": "x", "best_of": 9}, "invalid_value", "best_of"),  # n_parallel
-        ({"model": "a", "prompt": "x", "best_of": 65}, "invalid_type", "best_of"),
-        ({"model": "a", "prompt": "x", "best_of": 0}, "invalid_type", "best_of"),
+        ({"model": "a", "prompt": "x", "best_of": 65}, "invalid_value", "best_of"),
+        ({"model": "a", "prompt": "x", "best_of": 0}, "invalid_value", "best_of"),
         ({"model": "a", "prompt": "x", "grammar": "no root here"}, "invalid_grammar", None),
         ({"model": "a", "prompt": []}, None, "prompt"),
         ({"model": "a", "prompt": "x", "typical_p": 1.5}, "invalid_value", "typical_p"),
@@ -502,11 +504,13 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     assert_error(
         client.post("/v1/chat/completions", json={"model": "a", "messages": []}),
         400,
-        "invalid_type",
+        "invalid_value",
         "messages",
     )
     bad_role = {"model": "a", "messages": [{"role": "wizard", "content": "x"}]}
-    assert_error(client.post("/v1/chat/completions", json=bad_role), 400, "invalid_type")
+    assert_error(client.post("/v1/chat/completions", json=bad_role), 400, "invalid_value")
+    number_role = {"model": "a", "messages": [{"role": 7, "content": "x"}]}
+    assert_error(client.post("/v1/chat/completions", json=number_role), 400, "invalid_type")
     image = {"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert_error(client.post("/v1/chat/completions", json=image), 400, "invalid_value")
     video = {"model": "a", "messages": [{"role": "user", "content": [{"type": "video_url"}]}]}
@@ -723,16 +727,25 @@ def test_evict_from_an_empty_list_of_tiers_is_a_400(client: TestClient) -> None:
     """An empty ``tiers`` evicted nothing and answered 200 with 0 rows (found by review), as
     a typo'd tier did; the library's ``evict_bytes`` refuses it too."""
     response = client.post("/cache/evict", json={"bytes": 1 << 40, "tiers": []})
-    assert_error(response, 400, "invalid_type", "tiers")
+    assert_error(response, 400, "invalid_value", "tiers")  # as a typo'd tier's
     cache = client.app.state.kvwarm.require_engine().cache
     with pytest.raises(InvalidRequestError, match="tiers is empty"):
         cache.evict_bytes(1 << 40, [])
 
 
 # 0 too: it meant "no rows" here and "all rows" in `kvwarm cache ls`; both refuse it now.
-@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc", "0"])
-def test_cache_rows_bad_limit_is_a_400_naming_it(client: TestClient, limit: str) -> None:
-    assert_error(client.get("/cache/rows", params={"limit": limit}), 400, "invalid_type", "limit")
+@pytest.mark.parametrize(
+    ("limit", "code"),
+    [
+        ("\u00b2", "invalid_type"),
+        ("9" * 5000, "invalid_type"),
+        ("abc", "invalid_type"),
+        ("-1", "invalid_value"),
+        ("0", "invalid_value"),
+    ],
+)
+def test_cache_rows_bad_limit_is_a_400_naming_it(client: TestClient, limit: str, code: str) -> None:
+    assert_error(client.get("/cache/rows", params={"limit": limit}), 400, code, "limit")
 
 
 @pytest.mark.parametrize(

@@ -946,6 +946,9 @@ def test_infill_endpoint(http: httpx.Client) -> None:
     assert "".join(x["content"] for x in lines) == data["content"]
     refused = http.post("/infill", json={**body, "model": "a"}, headers=headers)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
+    # The field as /infill's client spelled it (found by the docs run: it said OpenAI's `suffix`,
+    # a field /infill does not have; server.md: `param` names it "as the client spelled it").
+    assert refused.json()["error"]["param"] == "input_suffix"
 
 
 def _sse(text: str) -> list[dict[str, object]]:

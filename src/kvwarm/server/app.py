@@ -50,6 +50,7 @@ from kvwarm.server.openai import completions as openai_completions
 from kvwarm.server.openai import embeddings as openai_embeddings
 from kvwarm.server.registry import request_leases
 from kvwarm.server.responses import routes as responses_routes
+from kvwarm.server.schemas import value_refused
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
 
@@ -238,7 +239,12 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
     param = ".".join(loc) or None
     message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
-    error = HTTPError(400, message, code="invalid_type", param=param)
+    error = HTTPError(
+        400,
+        message,
+        code="invalid_value" if value_refused(first) else "invalid_type",
+        param=param,
+    )
     return error_response(error, route_path(request.scope), anthropic=_anthropic(request.scope))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -732,6 +732,35 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+#: pydantic's errors for a value of the right JSON type that the field does not take (past a
+#: bound, too short or long): server.md's 400 ``invalid_value``, and so is a string that is not
+#: one of a field's choices (the API's choices are strings: a number there is a wrong type).
+#: Every other failure (a wrong type, a missing field, the wrong shape) is ``invalid_type``.
+#: Found by the docs run: ``"n": 0`` was ``invalid_type`` beside ``"n": 9``'s ``invalid_value``.
+_VALUE_ERRORS = frozenset(
+    {
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+        "multiple_of",
+        "too_short",
+        "too_long",
+        "string_too_short",
+        "string_too_long",
+        "string_pattern_mismatch",
+    }
+)
+_CHOICE_ERRORS = frozenset({"literal_error", "enum"})
+
+
+def value_refused(error: Mapping[str, Any]) -> bool:
+    """Whether a pydantic validation failure (one of ``errors()``' items) is of a value the
+    field does not take (``invalid_value``), not of its type or shape (``invalid_type``)."""
+    kind = error.get("type")
+    return kind in _VALUE_ERRORS or (kind in _CHOICE_ERRORS and isinstance(error.get("input"), str))
+
+
 def _within(path: str | None, field: str | None) -> bool:
     if path is None or field is None:
         return path == field
@@ -806,7 +835,10 @@ def parse_body(data: object, model: type[_M]) -> _M:
         count = exc.error_count()
         more = f" (and {count - 1} more)" if count > 1 else ""
         raise HTTPError(
-            400, f"{param or 'body'}: {first['msg']}{more}", code="invalid_type", param=param
+            400,
+            f"{param or 'body'}: {first['msg']}{more}",
+            code="invalid_value" if value_refused(first) else "invalid_type",
+            param=param,
         ) from exc
     if isinstance(body, JsonBody):
         for names in _alias_groups(model):

@@ -26,8 +26,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvwarm.engine.prompts import ExtraFile
 from kvwarm.engine.text import piece_text as text_of
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
+from kvwarm.errors import InvalidRequestError
 from kvwarm.server import convert, tenancy
-from kvwarm.server.errors import HTTPError
+from kvwarm.server.errors import HTTPError, rename_param
 from kvwarm.server.generate import SSE_HEADERS, sse
 from kvwarm.server.openai.choices import Choices, best_of, group_stats
 from kvwarm.server.schemas import (
@@ -374,16 +375,20 @@ async def infill(request: Request) -> Response:
     # Cut as llama-server cuts (its prefix, suffix and extra files' shares), leaving the
     # context room for this reply (llama-server's: for its server-wide -n).
     extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
-    tokens = await run_in_threadpool(
-        functools.partial(
-            model.infill_tokens,
-            req.input_prefix,
-            req.input_suffix,
-            prompt=req.prompt,
-            extra=extra,
-            n_predict=opts.max_tokens,
+    try:
+        tokens = await run_in_threadpool(
+            functools.partial(
+                model.infill_tokens,
+                req.input_prefix,
+                req.input_suffix,
+                prompt=req.prompt,
+                extra=extra,
+                n_predict=opts.max_tokens,
+            )
         )
-    )
+    except InvalidRequestError as exc:  # the library's `suffix` is /infill's `input_suffix`
+        rename_param(exc, {"suffix": "input_suffix"})
+        raise
     submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
     group = await Choices.start(
         request, submit, "infill", model.id, state, user=req.user, names=req.sent_as()
