@@ -98,6 +98,26 @@ def test_adapter_sha256_is_the_files(bmodel: BackendModel, lora_path: Path) -> N
         adapter.close()
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16", "q8_0"])
+def test_an_adapters_size_is_its_lora_tensors_bytes(
+    bmodel: BackendModel, lora_path: Path, kind: str
+) -> None:
+    """Found by review (lorabudget): an adapter's weights were counted in no memory budget.
+    ``size_bytes`` is what llama.cpp copies into its buffers: each LoRA tensor's
+    ``ggml_nbytes`` (gguf-py's ``n_bytes``, quantised blocks included)."""
+    path = lora_path
+    if kind != "f32":
+        out = lora_path.with_name(f"size-{kind}.gguf")
+        path = make_lora(default_model_path(), out, rank=32, f16=kind == "f16", q8_0=kind == "q8_0")
+    tensors = gguf.GGUFReader(str(path)).tensors
+    expected = sum(int(t.n_bytes) for t in tensors if t.name.endswith((".lora_a", ".lora_b")))
+    adapter = bmodel.load_adapter(str(path))
+    try:
+        assert adapter.size_bytes == expected > 0
+    finally:
+        adapter.close()
+
+
 def test_f16_adapter_loads_and_acts(
     bmodel: BackendModel, bctx: BackendContext, lora_path: Path
 ) -> None:

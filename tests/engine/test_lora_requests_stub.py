@@ -272,3 +272,22 @@ def test_an_embedding_may_name_its_own_set(
         model.embed(["hello"], lora=((info.handle + 5, 1.0),))
     with pytest.raises(InvalidRequestError):
         model.embed(["hello"], lora=((info.handle, float("nan")),))
+
+
+def test_a_models_adapters_are_in_its_memory_until_detached(
+    engine: Engine, adapter_files: tuple[Path, Path]
+) -> None:
+    """Found by review (lorabudget): an adapter's weights were in no term of what a model
+    holds, so the server's memory budget never counted them. Each adapter reports its bytes
+    (the stub's: its file's), the model their sum whatever their scales, and a detach
+    releases its part."""
+    model = engine.load_model(config=stub_config())
+    assert model.info().adapter_bytes == 0
+    a = model.load_adapter(adapter_files[0], scale=0.0)
+    b = model.load_adapter(adapter_files[1], scale=1.0)
+    sizes = [p.stat().st_size for p in adapter_files]
+    assert [a.size_bytes, b.size_bytes] == sizes
+    assert [i.size_bytes for i in model.list_adapters()] == sizes
+    assert model.info().adapter_bytes == sum(sizes)
+    model.detach_adapter(b.handle)
+    assert model.info().adapter_bytes == sizes[0]

@@ -3,8 +3,12 @@ and the buffers it allocated for the context, as /v1/models and /cache/stats rep
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
 import pytest
 from fastapi.testclient import TestClient
+from tests.backends.lora_fixture import make_lora
 
 from kvwarm.embedded import default_model_path
 from kvwarm.server import create_app
@@ -43,3 +47,34 @@ def test_models_report_weights_and_kv_bytes_and_size_the_ram_tier() -> None:
     ram = GIB - meta["weights_bytes"] - meta["context_bytes"]
     assert stats["memory"]["tiers"]["ram"]["quota_bytes"] == ram
     assert stats["counters"]["tier_ram_quota_bytes"] == ram
+
+
+def test_a_lora_adapter_counts_with_its_models_weights(tmp_path: Path) -> None:
+    """Found by review (lorabudget): a model's LoRA adapters were in no term of the budget.
+    A tiny random adapter's tensor bytes (what llama.cpp copies into its buffers) count with
+    the model's weights, and the RAM tier shrinks by them."""
+    lora = make_lora(default_model_path(), tmp_path / "tiny.gguf", rank=32)
+    tensors = gguf.GGUFReader(str(lora)).tensors
+    adapter = sum(int(t.n_bytes) for t in tensors if t.name.endswith((".lora_a", ".lora_b")))
+    settings = Settings(
+        models=(ModelSpec(path=str(default_model_path()), id="smol"),),
+        cache_dir=None,
+        n_ctx=256,
+        n_batch=64,
+        n_parallel=1,
+        n_threads=2,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        memory_budget=GIB,
+        lora=(("tiny", str(lora)),),
+        allowed_hosts=("testserver",),
+    )
+    with TestClient(create_app(settings)) as c:
+        wait_ready(c.get)
+        meta = {m["id"]: m for m in c.get("/v1/models").json()["data"]}["smol"]["meta"]
+        memory = c.get("/cache/stats").json()["memory"]
+    assert meta["adapter_bytes"] == adapter > 1 << 20
+    assert meta["weights_bytes"] == meta["size"] + adapter
+    assert memory["models"]["smol"]["weights_bytes"] == meta["weights_bytes"]
+    ram = GIB - meta["weights_bytes"] - meta["context_bytes"]
+    assert memory["tiers"]["ram"]["quota_bytes"] == ram

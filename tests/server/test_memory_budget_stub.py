@@ -17,7 +17,7 @@ from kvwarm.errors import ConfigError, MemoryBudgetError
 from kvwarm.server import create_app
 from kvwarm.server.budget import ModelMemory, plan
 from kvwarm.server.errors import kind_of
-from kvwarm.settings import add_settings_arguments, load_settings, settings_flags
+from kvwarm.settings import ModelSpec, add_settings_arguments, load_settings, settings_flags
 
 MIB, GIB = 1 << 20, 1 << 30
 TIERS = (
@@ -186,3 +186,65 @@ def test_a_ram_url_tier_counts_against_the_budget_as_shm_does() -> None:
     assert p.report({"fast": 5})["tiers"]["fast"] == {"quota_bytes": 2 * GIB, "bytes": 5}
     with pytest.raises(MemoryBudgetError, match=r"fast tier 2\.0 GiB = 2\.0 GiB"):
         plan(GIB, [], tiers)
+
+
+def _big_adapter(path: Path, size: int) -> Path:
+    """A stub LoRA adapter of ``size`` bytes (sparse): the stub counts a file's bytes as the
+    adapter's weights, as llama.cpp holds a real adapter's tensors."""
+    path.write_bytes(b"stub adapter: big")
+    with path.open("r+b") as f:
+        f.truncate(size)
+    return path
+
+
+def test_lora_adapters_count_against_the_budget_and_are_released_with_their_model(
+    tmp_path: Path,
+) -> None:
+    """Found by review (lorabudget): a model's LoRA adapters were in no term of the budget, so
+    a server under one loaded adapters past it: here model b loaded beside model a and its
+    48 MiB adapter in a budget of 160 MiB. Now they count with a's weights wherever the budget
+    reports them, b is refused with the arithmetic, and unloading a releases them."""
+    adapter = _big_adapter(tmp_path / "big.gguf", 48 * MIB)
+    # Room for a with its adapter (112 MiB) or b (64 MiB), not both.
+    settings = stub_settings(memory_budget=160 * MIB, lora=(("big", str(adapter)),))
+    with TestClient(create_app(settings)) as c:
+        wait_ready(c.get)
+        models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        memory = c.get("/cache/stats").json()["memory"]
+        metrics = c.get("/metrics").text
+        assert c.get("/health").json()["models"] == {"a": "ready", "b": "failed"}
+        # An admin load of b makes room by unloading a, its adapter with it.
+        assert c.post("/admin/models/load", json={"name": "b"}).status_code == 200
+        after = c.get("/cache/stats").json()["memory"]
+        listed = {m["id"]: m["status"] for m in c.get("/v1/models").json()["data"]}
+    weights = STUB_WEIGHTS_BYTES + 48 * MIB
+    meta = models["a"]["meta"]
+    assert (meta["weights_bytes"], meta["adapter_bytes"]) == (weights, 48 * MIB)
+    assert memory["models"]["a"]["weights_bytes"] == weights == memory["weights_bytes"]
+    assert _metric(metrics, "kvwarm_model_weights_bytes", model="a") == weights
+    error = models["b"]["error"]
+    assert error.startswith("MemoryBudgetError: memory budget 160.0 MiB < weights 176.0 MiB")
+    assert (listed["a"], listed["b"]) == ("available", "ready")
+    assert list(after["models"]) == ["b"] and after["weights_bytes"] == STUB_WEIGHTS_BYTES
+
+
+def test_a_model_whose_adapters_do_not_fit_is_refused_with_the_budgets_error(
+    tmp_path: Path,
+) -> None:
+    """The model alone fits (64 MiB of 100); with its 48 MiB adapter it does not: a 507
+    ``memory_budget`` naming the sum, and the server stays up."""
+    adapter = _big_adapter(tmp_path / "big.gguf", 48 * MIB)
+    settings = stub_settings(
+        models=(ModelSpec(path="stub-a", id="a"),),
+        memory_budget=100 * MIB,
+        lora=(("big", str(adapter)),),
+    )
+    with TestClient(create_app(settings)) as c:
+        with pytest.raises(AssertionError, match="model failed to load"):
+            wait_ready(c.get)
+        load = c.post("/admin/models/load", json={"name": "a"})
+        memory = c.get("/cache/stats").json()["memory"]
+    assert load.status_code == 507, load.json()
+    assert load.json()["error"]["code"] == "memory_budget"
+    assert "memory budget 100.0 MiB < weights 112.0 MiB" in load.json()["error"]["message"]
+    assert memory["models"] == {} and memory["weights_bytes"] == 0

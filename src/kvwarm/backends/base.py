@@ -251,6 +251,12 @@ class Adapter(Protocol):
         """Digest of the adapter file; folded into the effective fingerprint."""
         ...
 
+    @property
+    def size_bytes(self) -> int:
+        """What it holds in memory: its LoRA tensors' bytes, as the backend allocates them
+        (the memory budget counts them with its model's weights)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -204,7 +204,9 @@ class Adapters:
     def _info(self, handle: int) -> AdapterInfo:
         adapter, scale = self._adapters[handle]
         name = self._names.get(handle, "")
-        return AdapterInfo(handle, adapter.path, scale, adapter.sha256.hex(), name)
+        return AdapterInfo(
+            handle, adapter.path, scale, adapter.sha256.hex(), name, adapter.size_bytes
+        )
 
     def _apply(self) -> None:
         def run() -> None:

@@ -91,6 +91,7 @@ def model_info(
         mmproj=projector.path if projector else None,
         media=projector.kinds if projector else (),
         projector_bytes=projector.memory_bytes if projector else 0,
+        adapter_bytes=sum(a.size_bytes for a in adapters),
         capabilities=capabilities,
         pooling=pooling,
         spec_type=cfg.default_spec_type,

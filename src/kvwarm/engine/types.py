@@ -513,6 +513,8 @@ class AdapterInfo:
     scale: float
     sha256: str
     name: str = ""  # the name it was loaded under (``ModelConfig.lora``), if any
+    #: What it holds in memory: its LoRA tensors' bytes (``Adapter.size_bytes``).
+    size_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -576,6 +578,9 @@ class ModelInfo:
     mmproj: str | None = None
     media: tuple[str, ...] = ()
     projector_bytes: int = 0
+    #: Its loaded LoRA adapters' weights (each one's ``AdapterInfo.size_bytes``), loaded at
+    #: scale 0 or not: llama.cpp holds them all the same.
+    adapter_bytes: int = 0
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's

@@ -1,7 +1,8 @@
 """One memory budget (issue 25): what a server takes of memory, and the RAM tier sized to fit.
 
 A server holds, in memory: each loaded model's weights (``ModelInfo.size_bytes``, llama.cpp's
-``llama_model_size``, and its projector's, ``ModelInfo.projector_bytes``) and context
+``llama_model_size``, its projector's, ``ModelInfo.projector_bytes``, and its LoRA adapters',
+``ModelInfo.adapter_bytes``) and context
 (``ModelInfo.context_bytes``: its KV buffers and the rest llama.cpp allocated for it), the RAM
 tier, the ``ram_file`` tier (files on /dev/shm are memory) and any tier added as a ``ram://``
 URL. With ``memory_budget`` set, the RAM tier's quota is what the others leave:
@@ -180,7 +181,7 @@ def _arithmetic(
     return (
         f"memory budget {fmt_bytes(budget)} < {' + '.join(parts)} = {fmt_bytes(fixed)} "
         f"({names}); raise memory_budget, lower shm_quota_bytes, or load fewer or smaller "
-        "models (a smaller n_ctx or n_parallel, a quantised KV cache)"
+        "models or LoRA adapters (a smaller n_ctx or n_parallel, a quantised KV cache)"
     )
 
 
@@ -208,11 +209,12 @@ def cache_shares(
 
 
 def memory_of(model_id: str, model: ServedModel) -> ModelMemory:
-    """What a loaded model holds, from its ``info()``: its projector's weights and buffers
-    and its draft model's weights count with its weights (the draft model's context with
-    its contexts)."""
+    """What a loaded model holds, from its ``info()``: its projector's weights and buffers,
+    its draft model's weights and its LoRA adapters' count with its weights (the draft
+    model's context with its contexts). Found by review (lorabudget): the adapters were
+    counted nowhere, so a server under a budget loaded them past it."""
     info = model.info()
-    weights = info.size_bytes + info.projector_bytes + info.draft_bytes
+    weights = info.size_bytes + info.projector_bytes + info.draft_bytes + info.adapter_bytes
     return ModelMemory(model_id, weights, info.kv_bytes, info.context_bytes)
 
 

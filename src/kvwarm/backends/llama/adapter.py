@@ -45,7 +45,8 @@ class LlamaAdapter:
                     digest.update(chunk)
         except OSError as exc:
             raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
-        _check_tensors(path, model.facts)
+        #: What llama.cpp holds of it: its LoRA tensors' bytes (``_check_tensors``).
+        self._size_bytes = _check_tensors(path, model.facts)
         _check_keys(path)
         #: A weight of it multiplied by another kernel for several rows than for one ("" if
         #: none): requests under it do not speculate (``LlamaModel.verify_exactness``).
@@ -100,6 +101,10 @@ class LlamaAdapter:
     @property
     def sha256(self) -> bytes:
         return self._sha256
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
 
     @property
     def native(self) -> object:
@@ -185,10 +190,24 @@ def _check_keys(path: str) -> None:
 #: backend multiplies. Found by review: an adapter of i8, i16, i32 or f64 tensors loaded, and
 #: the first forward pass under it crashed the process (SIGSEGV in the CPU backend's matmul).
 _LORA_TYPES = {0: "f32", 1: "f16", 8: "q8_0", 30: "bf16"}
+#: Each LoRA type's block: (elements, bytes), as ggml's type traits have them.
+_LORA_BLOCKS = {0: (1, 4), 1: (1, 2), 8: (32, 34), 30: (1, 2)}
 
 
-def _check_tensors(path: str, facts: ModelFacts) -> None:
-    """``AdapterError`` for an adapter llama.cpp would load but could not run: a LoRA tensor
+def _nbytes(tensor: gguf_meta.TensorInfo) -> int:
+    """A LoRA tensor's bytes as ggml holds it (``ggml_nbytes``): rows of ``shape[0]``
+    elements in blocks of its type."""
+    elements, size = _LORA_BLOCKS[tensor.ggml_type]
+    return -(-tensor.shape[0] // elements) * size * math.prod(tensor.shape[1:])
+
+
+def _check_tensors(path: str, facts: ModelFacts) -> int:
+    """The bytes llama.cpp holds of the adapter at ``path``: its LoRA tensors' (it copies
+    each into a buffer of its type; norms it skips), counted in the memory budget. Found by
+    review (lorabudget): an adapter was in no term of the budget, so a server under one
+    loaded adapters past it.
+
+    ``AdapterError`` for an adapter llama.cpp would load but could not run: a LoRA tensor
     of a type no matmul takes, or of dimensions past the two llama.cpp checks that the
     weight it adapts lacks. Found by review: an adapter whose ``lora_a`` was ``[n_in, rank,
     2]`` loaded and attached, and the first decode under it died on
@@ -199,13 +218,15 @@ def _check_tensors(path: str, facts: ModelFacts) -> None:
     arch = facts.metadata.get("general.architecture", "")
     experts = facts.metadata.get(f"{arch}.expert_count", "")
     embd: dict[str, gguf_meta.TensorInfo] = {}
+    size = 0
     with _reading(path), gguf_meta.tensors_of(path) as tensors:
         for tensor in tensors:
-            _check_tensor(path, tensor, experts)
+            size += _check_tensor(path, tensor, experts)
             if tensor.name in _EMBD_PAIR:
                 embd[tensor.name] = tensor
     if embd:
         _check_token_embd(path, embd, facts.path)
+    return size
 
 
 #: The LoRA pair of the token embedding, which llama.cpp reads flipped (``build_inp_embd``).
@@ -248,10 +269,11 @@ def _has_tensor(model_path: str, name: str) -> bool:
     return False
 
 
-def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None:
-    """``_check_tensors`` for one tensor of the table (read as it is checked)."""
+def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> int:
+    """``_check_tensors`` for one tensor of the table (read as it is checked); its bytes in
+    memory (0: one llama.cpp does not load)."""
     if not tensor.name.endswith((".lora_a", ".lora_b")):
-        return  # llama.cpp skips norms and refuses any other name itself
+        return 0  # llama.cpp skips norms and refuses any other name itself
     if tensor.ggml_type not in _LORA_TYPES:
         raise AdapterError(
             f"adapter {path!r}: LoRA tensor {tensor.name!r} is of ggml type "
@@ -280,3 +302,4 @@ def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None
             f"adapter {path!r}: LoRA tensor {tensor.name!r} has shape {shape}; it must be "
             f"{what} (hint: maybe wrong base model?)"
         )
+    return _nbytes(tensor)

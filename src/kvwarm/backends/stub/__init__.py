@@ -356,11 +356,11 @@ class StubModel:
     def load_adapter(self, path: str) -> StubAdapter:
         with self._life.using():
             try:
-                digest = hashlib.sha256(Path(path).read_bytes()).digest()
+                data = Path(path).read_bytes()
             except OSError as exc:
                 raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
             self._life.acquire()
-            return StubAdapter(self, path, digest)
+            return StubAdapter(self, path, hashlib.sha256(data).digest(), len(data))
 
     def load_projector(self, path: str, params: ProjectorParams) -> StubProjector:
         """Any path loads (its name naming ``audio`` adds audio to what it reads)."""

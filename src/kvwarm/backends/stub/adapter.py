@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 class StubAdapter:
     """A fake LoRA adapter: its file digest salts the logits of contexts it is attached to."""
 
-    def __init__(self, model: StubModel, path: str, digest: bytes) -> None:
+    def __init__(self, model: StubModel, path: str, digest: bytes, size_bytes: int) -> None:
         self.model = model
         self._path = path
         self._sha256 = digest
+        self._size_bytes = size_bytes  # notional: the file's bytes, as its weights
         self._life = Lifetime("adapter", model._release)
 
     @property
@@ -30,6 +31,10 @@ class StubAdapter:
     @property
     def sha256(self) -> bytes:
         return self._sha256
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
 
     @property
     def lifetime(self) -> Lifetime:

@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvwarm.embedded import is_file
+from kvwarm.server import budget
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import ModelEntry
 from kvwarm.server.schemas import JsonBody, StrictNumber, json_body, parse_body, read_json
@@ -78,9 +79,10 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "n_parallel": info.n_parallel,
             "size": info.size_bytes,
             # What it holds in memory (the memory budget's terms, server/budget.py): the
-            # projector's weights and buffers and the draft model's weights count with the
-            # model's weights (the draft model's context in context_bytes).
-            "weights_bytes": info.size_bytes + info.projector_bytes + info.draft_bytes,
+            # projector's weights and buffers, the draft model's weights and the LoRA
+            # adapters' count with the model's weights (the draft model's context in
+            # context_bytes).
+            "weights_bytes": budget.memory_of(entry.id, entry.model).weights_bytes,
             "kv_bytes": info.kv_bytes,
             "context_bytes": info.context_bytes,
             "description": info.description,
@@ -110,6 +112,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "projector_bytes": info.projector_bytes,
             # Its draft model's weights (--draft-model; its context is in context_bytes).
             "draft_bytes": info.draft_bytes,
+            # Its LoRA adapters' weights (--lora), whatever their scales.
+            "adapter_bytes": info.adapter_bytes,
         }
     elif entry.error:
         item["error"] = entry.error
