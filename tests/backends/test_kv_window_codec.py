@@ -534,3 +534,45 @@ def test_a_window_row_of_transposed_v_restores_one_cache_at_a_time(gemma_path: s
     finally:
         ctx.close()
         model.close()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_model_with_no_full_attention_layer_packs_cuts_and_restores(
+    tmp_path_factory: pytest.TempPathFactory, deterministic: bool
+) -> None:
+    """A Gemma 3 of two layers, both sliding-window ones: its iSWA memory's first KV cache
+    holds every cell and no layer (``n_layer`` 0, no section) and its window all the KV.
+    Such a blob restores as it is (deterministic mode's per-sequence streams, widened and
+    narrowed, too), is cut into chunks of cell metadata alone beside the window's and joins
+    back to itself. Each of these was refused with ``n_layer=0`` (every deterministic
+    request past one batch failed on it)."""
+    from tests.tinymodels import gemma3_keys, write_tiny_model
+
+    path = tmp_path_factory.mktemp("allswa") / "gemma3-allswa.gguf"
+    write_tiny_model(path, "gemma3", keys=gemma3_keys(16, n_layer=2))
+    model = get_backend("llama_cpp").load_model(str(path))
+    ctx = model.new_context(
+        model.context_params(
+            ContextParams(n_ctx=128, n_batch=8, n_ubatch=8, n_seq_max=2, n_threads=2),
+            deterministic=deterministic,
+        )
+    )
+    try:
+        ctx.prefill(0, [1 + (i * 7) % 100 for i in range(40)], 0)
+        blob = ctx.kv_pack(0)
+        ctx.seq_rm(0, 0, -1)
+        assert ctx.kv_unpack(0, blob) == 40 and ctx.kv_pack(0) == blob
+        codec = ctx.kv_codec
+        first, end = codec.rest_span(blob)
+        assert (first, end) == (40 - 16, 40)
+        main = codec.split(blob, [0, 16, 40])
+        rest = codec.split_rest(blob, [first, 32, 40])
+        assert bytes(codec.join(main)) + bytes(codec.join_rest(rest, first)) == blob
+        ctx.seq_rm(0, 0, -1)
+        out = bytearray(len(blob))
+        assert ctx.kv_unpack_joined(0, main, out, rest_chunks=rest, rest_from=first) == 40
+        assert ctx.kv_pack(0) == blob
+    finally:
+        ctx.close()
+        model.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
@@ -137,28 +138,56 @@ def test_infill_cuts_as_llama_server_for_a_reply(engine: Engine) -> None:
     # llama-server's format_prompt_infill: the prefix's last 3/4 of a batch, the suffix's
     # first quarter less the prompt and 2, the extra files' last n_ctx - n_batch - 2 n_predict.
     # Uncut, extra context past the context was a 400 where llama-server keeps its latest.
-    model = engine.load_model("stub-fim", model_id="coder", config=stub_config(n_batch=64))
+    # The batch is llama-server's default (2048), not the model's n_batch (64 here): the cut
+    # followed n_batch, so kvwarm kept 48 tokens of this prefix where llama-server keeps 1536.
+    config = stub_config(n_batch=64)
+    config = replace(config, context=replace(config.context, n_ctx=4096))
+    model = engine.load_model("stub-fim", model_id="coder", config=config)
     fim = model.facts.fim
     assert fim is not None and fim.rep is not None and fim.sep is not None
     text = lambda s: model.tokenize(s, add_special=False)  # noqa: E731
     bos = [model.facts.bos] if model.facts.add_bos else []
-    prefix, suffix, prompt = "p" * 100 + "P" * 48, "S" * 12 + "s" * 100, "mm"
-    files = [ExtraFile("x" * 300, "a.py"), ExtraFile("y" * 300, "b.py")]
+    prefix, suffix, prompt = "p" * 100 + "P" * 1536, "S" * 508 + "s" * 100, "mm"
+    files = [ExtraFile("x" * 1200, "a.py"), ExtraFile("y" * 1200, "b.py")]
     whole = model.infill_tokens(prefix, suffix, prompt=prompt, extra=files)
     assert len(whole) > model.info().n_ctx  # uncut, it could not be served
     cut = model.infill_tokens(prefix, suffix, prompt=prompt, extra=files, n_predict=10)
     extra_tokens = whole[: whole.index(fim.pre) - len(bos)]
-    kept = 512 - 64 - 2 * 10
+    kept = 4096 - 2048 - 2 * 10
     assert cut == [
         *extra_tokens[-kept:],
         *bos,
-        *[fim.pre, *text("P" * 48), *text(prompt), fim.suf, *text("S" * 12), fim.mid],
+        *[fim.pre, *text("P" * 1536), *text(prompt), fim.suf, *text("S" * 508), fim.mid],
     ]
     out = model.complete(cut, GenerationOptions(max_tokens=10, temperature=0.0))
     assert out.stats.completion_tokens == 10
     with pytest.raises(InvalidRequestError) as caught:
         model.infill_tokens("a", "b", n_predict=-1)
     assert caught.value.param == "n_predict"
+
+
+def test_infill_cut_does_not_depend_on_n_batch_and_leaves_a_small_context_room(
+    engine: Engine,
+) -> None:
+    # The same request reads the same prompt whatever the model's prefill batch; a context
+    # below twice llama-server's batch (512 here) sizes the cut by half of it (256), so the
+    # prefix and suffix leave the reply room (llama-server's 2048 would overflow it).
+    cuts = []
+    for n_batch in (16, 64, 256):
+        model = engine.load_model(
+            "stub-fim", model_id=f"coder-{n_batch}", config=stub_config(n_batch=n_batch)
+        )
+        assert model.info().n_ctx == 512
+        cuts.append(model.infill_tokens("p" * 300, "s" * 300, prompt="m", n_predict=8))
+    fim = model.facts.fim
+    assert fim is not None
+    assert cuts[0] == cuts[1] == cuts[2]
+    cut = cuts[0]
+    assert cut[cut.index(fim.pre) + 1 : cut.index(fim.suf)] == model.tokenize(
+        "p" * 192 + "m", add_special=False
+    )
+    assert len(cut) - cut.index(fim.suf) - 2 == 64 - 2 - 1  # the suffix's share
+    assert len(cut) + 2 * 8 <= 512  # the reply fits
 
 
 def test_infill_without_fim_tokens_is_refused(engine: Engine) -> None:

@@ -1,6 +1,8 @@
 """``test_random_restores_stub.py``'s seeded random sessions (``restorekit.py``) on a real
 sliding-window model: a tiny random-weight Gemma 3 (``tests/tinymodels.py``) whose window is
-32 tokens and whose sixth layer attends to everything, with 8-token batches.
+32 tokens and whose sixth layer attends to everything, with 8-token batches; and on one of two
+layers, both sliding-window ones (no layer attends to everything: its iSWA memory's first KV
+cache holds cells but no layer, which every deterministic request failed on, ``n_layer=0``).
 
 What the stub cannot show and this can: llama.cpp's own sliding-window cache (which cells a
 saved state holds, which it masks), its state packed and unpacked (``settle_layout`` after every
@@ -32,16 +34,17 @@ N_BATCH = 8
 SEEDS = range(3)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[6, 2], ids=["one-full-layer", "all-sliding"])
 def randomised(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[tuple[restorekit.Target, restorekit.Reference]]:
-    """The model as a target of ``restorekit``'s random cases, and its reference."""
-    path = tmp_path_factory.mktemp("swa") / "gemma3-swa32.gguf"
-    # Six layers: llama.cpp makes the sixth a full-attention one.
-    write_tiny_model(path, "gemma3", keys=gemma3_keys(WINDOW, n_layer=6), ftype=3)  # Q4_1
+    """The model as a target of ``restorekit``'s random cases, and its reference. Six
+    layers: llama.cpp makes the sixth a full-attention one; two: both sliding-window."""
+    n_layer: int = request.param
+    path = tmp_path_factory.mktemp("swa") / f"gemma3-swa32-{n_layer}.gguf"
+    write_tiny_model(path, "gemma3", keys=gemma3_keys(WINDOW, n_layer=n_layer), ftype=3)  # Q4_1
     target = restorekit.Target(
-        name="gemma3-swa32",
+        name=f"gemma3-swa32-{n_layer}",
         n_batch=N_BATCH,
         tokens=(1, N_VOCAB - 8),
         lengths=(4, 110),

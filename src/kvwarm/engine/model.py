@@ -938,8 +938,9 @@ class Model:
         and ``suffix``, with ``extra`` files as context (``engine/prompts.py``); generate from
         it with ``complete``/``stream``. ``n_predict``: llama-server's ``/infill`` prompt for
         a reply of that many tokens (its repository header always, cut as it cuts:
-        ``FimFit``, this model's context and batch); None: nothing cut, the header only with
-        ``extra``. ``FimNotSupportedError`` if the model has no FIM tokens."""
+        ``FimFit.for_context``, this model's context and llama-server's default batch, never
+        this model's ``n_batch``); None: nothing cut, the header only with ``extra``.
+        ``FimNotSupportedError`` if the model has no FIM tokens."""
         self._check_ready()
         fit = None
         if n_predict is not None:
@@ -947,7 +948,7 @@ class Model:
                 raise InvalidRequestError(
                     f"n_predict must be a count (0 or more), not {n_predict!r}", param="n_predict"
                 )
-            fit = FimFit(self.config.context.n_ctx, self.config.context.n_batch, n_predict)
+            fit = FimFit.for_context(self.config.context.n_ctx, n_predict)
         return fim_tokens(self._bmodel, prefix, suffix, prompt=prompt, extra=extra, fit=fit)
 
     def _check_ready(self) -> None:

@@ -528,6 +528,11 @@ def fim_tokens(
     return tokens
 
 
+#: llama-server's default ``-b`` (``common_params.n_batch``), the batch its ``/infill`` cut
+#: is sized by (``FimFit.for_context``).
+LLAMA_SERVER_N_BATCH = 2048
+
+
 @dataclass(frozen=True, slots=True)
 class FimFit:
     """llama-server's ``/infill`` cut (``format_prompt_infill``), for a context of ``n_ctx``
@@ -540,6 +545,17 @@ class FimFit:
     n_ctx: int
     n_batch: int
     n_predict: int
+
+    @classmethod
+    def for_context(cls, n_ctx: int, n_predict: int) -> FimFit:
+        """The cut of a llama-server of default batch (``LLAMA_SERVER_N_BATCH``) in a context
+        of ``n_ctx``, or of half the context where that is smaller, so that the prefix and
+        suffix never fill it (llama-server, its batch unclamped, would send a prompt longer
+        than a context below 2,048). Never the model's own ``n_batch``: a prefill knob
+        (performance, cache alignment) must not change which tokens a request reads. Found
+        by review: it did, so kvwarm (512 by default) kept 384 tokens of a prefix where
+        llama-server (2,048) keeps 1,536."""
+        return cls(n_ctx, min(LLAMA_SERVER_N_BATCH, n_ctx // 2), n_predict)
 
     def cut(
         self, prefix: list[int], prompt: list[int], suffix: list[int], extra: list[int]

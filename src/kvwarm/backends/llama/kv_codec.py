@@ -20,7 +20,8 @@ A blob of a two-part memory (``with_rest``: an iSWA model's full-attention cache
 window, a hybrid's attention cache then its recurrent state) is cut in its first cache only;
 ``rest`` returns what follows it, which a row keeps whole, and ``join(chunks) ‖ rest`` is the
 blob again. That first cache has fewer layers than the model (an iSWA model's full-attention
-layers only), a count llama.cpp does not publish: the codec then accepts any count up to the
+layers only, none at all when every layer slides: cells and no section), a count llama.cpp
+does not publish: the codec then accepts any count up to the
 model's, and llama.cpp's own check refuses another at restore (``StateRestoreError``).
 
 An iSWA window (``rest_cells``) is itself a KV cache of the last positions' cells in the other

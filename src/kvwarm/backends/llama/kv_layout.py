@@ -27,7 +27,9 @@ cache: an iSWA model's window cache (``u32 n_stream`` and its cells, as above wi
 magic and sequence id), a hybrid model's recurrent state. ``parse_blob(rest=True)`` parses the
 first cache and says where it ends; what follows is the blob's *rest*. A window's rest is itself
 a KV cache (``parse_second_cache``): cells of the last positions, cut into chunks like the
-first cache's.
+first cache's. An iSWA model with no full-attention layer writes its first cache all the same,
+with its cells and ``n_layer`` 0 (no section): a layer count of 0 is read as any other
+(llama.cpp refuses a count that is not its cache's at restore).
 
 Invariant: ``parse_blob`` checks every count and length against the blob's real size before
 any offset is computed from it, and refuses a blob it does not fully account for (several
@@ -163,7 +165,7 @@ def parse_descriptor(descriptor: bytes) -> Structure:
     if len(descriptor) < _PAIR.size:
         raise StateRestoreError("KV layout descriptor is too short")
     v_trans, n_layer = _PAIR.unpack_from(descriptor, 0)
-    if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
+    if v_trans not in (0, 1) or n_layer > MAX_LAYERS:
         raise StateRestoreError(f"KV layout has v_trans={v_trans}, n_layer={n_layer}")
     if len(descriptor) != _PAIR.size + 2 * n_layer * _SECTION_HEAD:
         raise StateRestoreError(f"KV layout descriptor of {len(descriptor)} bytes is malformed")
@@ -238,7 +240,7 @@ def _parse_cache(blob: U8, at: int, *, positions: str, trailing: bool) -> BlobLa
     if first and positions == "zero":
         raise StateRestoreError(f"KV blob cells are not exactly positions 0..{n_cells - 1}")
     v_trans, n_layer = _PAIR.unpack_from(raw, at)
-    if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
+    if v_trans not in (0, 1) or n_layer > MAX_LAYERS:
         raise StateRestoreError(f"KV blob has v_trans={v_trans}, n_layer={n_layer}")
     heads = [blob[at : at + _PAIR.size].tobytes()]
     at += _PAIR.size
@@ -544,7 +546,7 @@ def _stream_bytes(
     if not meta_checked and (not np.all(meta[:, 1] == 1) or not np.all(meta[:, -1] == meta[0, -1])):
         raise StateRestoreError("KV blob cells are not one sequence's (or carry extra data)")
     v_trans, n_layer = _PAIR.unpack_from(raw, end)
-    if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
+    if v_trans not in (0, 1) or n_layer > MAX_LAYERS:
         raise StateRestoreError(f"KV blob has v_trans={v_trans}, n_layer={n_layer}")
     end += _PAIR.size
     for first in (0, n_layer):  # the K sections, then the V sections
