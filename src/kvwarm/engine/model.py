@@ -14,6 +14,8 @@ import functools
 import hashlib
 import logging
 import os
+import struct
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -140,6 +142,9 @@ class Model:
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
         phases = LoadProgress(progress, mode, path.is_file())
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
+        #: This load's own salt: the namespace of an adapter set whose sum llama.cpp orders by
+        #: address, in deterministic mode (``_namespace_of``).
+        self._load_salt = os.urandom(16)
         # A model that will verify drafts (its header says it generates) loads its weights
         # where its verify rows can be exact; a reranker or an encoder given a spec_type does
         # not pay for that.
@@ -441,6 +446,12 @@ class Model:
 
     def _namespace_of(self, adapters: Sequence[tuple[bytes, float]]) -> Namespace:
         fp = effective_fingerprint(self._fingerprint, list(adapters))
+        if self.config.deterministic and _order_varies(adapters):
+            # llama.cpp adds such a set's products in an order set by where the adapters lie
+            # in memory (docs/internals.md, "Three or more LoRA adapters"): the same within
+            # this load, another after a restart or on a replica. Deterministic mode promises
+            # a restore is the bits a cold run here computes, so its rows stay in this load.
+            fp = hashlib.sha256(b"kvwarm-load\0" + fp + self._load_salt).digest()
         return Namespace(fp, self._namespace.quant, self._ctx_hash)
 
     def _resolve_lora(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
@@ -1202,3 +1213,13 @@ def _token_ids(tokens: object) -> list[int]:
             f"tokens must be a list of token ids, not {type(tokens).__name__}", param="tokens"
         )
     return list(tokens)
+
+
+def _order_varies(adapters: Sequence[tuple[bytes, float]]) -> bool:
+    """Whether llama.cpp's sum over ``adapters`` (sha256, scale) may run in an order that
+    depends on their addresses: it keeps those of a non-zero float32 scale in a
+    ``std::unordered_map`` keyed by pointer, whose iteration libstdc++ fixes for two (the
+    reverse of insertion) but not for three; other standard libraries hash a pointer's bits,
+    so for two already (docs/internals.md, "Three or more LoRA adapters")."""
+    live = sum(1 for _, s in adapters if struct.unpack("<f", struct.pack("<f", s))[0] != 0.0)
+    return live >= (3 if sys.platform == "linux" else 2)
