@@ -258,6 +258,12 @@ def test_cache_administration_is_per_replica(client: TestClient) -> None:
     slots = client.get("/cache/slots")
     assert slots.status_code == 501, slots.text
     assert slots.json()["error"]["code"] == "not_supported_in_cluster"
+    # llama-server's /slots as well (found by review: an empty list, and with
+    # fail_on_no_slot a 503 "no slot available" on every call, a health check's "down").
+    for query in ("", "?fail_on_no_slot=1"):
+        llama = client.get(f"/slots{query}")
+        assert llama.status_code == 501, llama.text
+        assert llama.json()["error"]["code"] == "not_supported_in_cluster"
 
 
 def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
