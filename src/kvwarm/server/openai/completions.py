@@ -541,13 +541,18 @@ _OFF: dict[str, tuple[object, str]] = {
 }
 
 
+#: Fields of ``_OFF`` that llama.cpp acts on only above 0 (``top_n_sigma``'s sampler, the
+#: dynamic temperature's, llama-server's time limit): 0 and any negative value are off. Found
+#: by review: only a negative value was, so 0, their usual "off", was a 400.
+_OFF_AT_OR_BELOW_ZERO = frozenset({"top_n_sigma", "dynatemp_range", "t_max_predict_ms"})
+
+
 def refuse_unsupported(req: LlamaCompletionRequest) -> None:
     """A 400 naming the first field of ``_OFF`` given a value other than its "off" one."""
     for name, (off, why) in _OFF.items():
         value = getattr(req, name)
-        # top_n_sigma and t_max_predict_ms are off at any negative value, llama-server's rule.
-        if name in ("top_n_sigma", "t_max_predict_ms") and isinstance(value, int | float):
-            if value < 0:
+        if name in _OFF_AT_OR_BELOW_ZERO and isinstance(value, int | float):
+            if value <= 0:
                 continue
         elif value == off:
             continue
