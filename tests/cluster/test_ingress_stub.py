@@ -5,6 +5,7 @@ crosses the handle here is what crosses it under Ray (``calls``: typed, picklabl
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 from collections.abc import AsyncIterator, Awaitable, Iterator
 
@@ -258,6 +259,12 @@ def test_cache_administration_is_per_replica(client: TestClient) -> None:
     slots = client.get("/cache/slots")
     assert slots.status_code == 501, slots.text
     assert slots.json()["error"]["code"] == "not_supported_in_cluster"
+    # llama-server's /slots as well (found by review: an empty list, and with
+    # fail_on_no_slot a 503 "no slot available" on every call, a health check's "down").
+    for query in ("", "?fail_on_no_slot=1"):
+        llama = client.get(f"/slots{query}")
+        assert llama.status_code == 501, llama.text
+        assert llama.json()["error"]["code"] == "not_supported_in_cluster"
 
 
 def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
@@ -402,6 +409,31 @@ def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -
     assert len(logprobs) >= 2  # a replica streams text only: they come with the last chunks
     refused = client.post("/infill", json={"model": "a", "input_prefix": "a", "input_suffix": "b"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
+
+
+def test_a_streamed_llama_completion_carries_its_tokens_through_the_ingress(
+    client: TestClient,
+) -> None:
+    """A replica streams text only: the tokens and probabilities llama-server's chunks
+    carry come with each choice's end, never dropped (found by review: every chunk said
+    ``"tokens": []`` and ``n_probs`` gave no probability at all)."""
+    body = {"model": "a", "prompt": ["hello there", "bye"], "n_predict": 4, "temperature": 0}
+    whole = client.post("/completion", json={**body, "return_tokens": True, "n_probs": 2})
+    assert whole.status_code == 200, whole.text
+    streamed = client.post("/completion", json={**body, "stream": True, "n_probs": 2})
+    assert streamed.status_code == 200, streamed.text
+    assert "[DONE]" not in streamed.text  # llama-server's own routes send none
+    lines = streamed.text.split("\n")
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    for want in whole.json():
+        i = want["index"]
+        chunks = [e for e in events if e["index"] == i and e["stop"] is False]
+        assert [t for c in chunks for t in c["tokens"]] == want["tokens"]
+        assert "".join(c["content"] for c in chunks) == want["content"]
+        probs = [p for c in chunks for p in c.get("completion_probabilities", [])]
+        assert probs == want["completion_probabilities"]
+        assert chunks[-1]["tokens_predicted"] == want["tokens_predicted"] == 4
+        assert chunks[-1]["tokens_evaluated"] == want["tokens_evaluated"]
 
 
 def test_a_chats_prediction_reaches_the_replica_and_is_drafted_there(

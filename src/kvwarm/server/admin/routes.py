@@ -560,8 +560,13 @@ async def slots(
 ) -> Response:
     """llama-server's ``GET /slots``: each slot of the model, its counts only. Never a
     request's prompt, reply or sampling settings (llama-server's ``prompt``, ``generated``,
-    ``params``): a slot may hold another tenant's request (``server/tenancy.py``)."""
+    ``params``): a slot may hold another tenant's request (``server/tenancy.py``). A
+    cluster's ingress has no slots: 501, as ``/cache/slots`` (each replica answers for its
+    own). Found by review: it answered an empty list, and with ``fail_on_no_slot`` a 503 on
+    every call."""
     state = server_state(request)
+    if state.is_cluster:
+        state.require_engine()  # 501 there: not an empty list, which would say "no slots"
     served = await state.acquire(model)
     status = served.status()
     n_ctx = (await run_in_threadpool(served.info)).n_ctx

@@ -422,18 +422,17 @@ async def _llama_chunks(
     """llama-server's stream of one prompt's choices: a ``data:`` chunk per fragment
     (``index``, ``content``, ``stop`` false; with ``counts``, /completion's ``tokens`` and its
     running ``tokens_predicted`` and ``tokens_evaluated``), then each choice's final body
-    (``last(index, done)``) as it ends. Choice ``j`` is index ``base + j``."""
+    (``last(index, done)``) as it ends. Choice ``j`` is index ``base + j``. Fragments
+    without tokens (a cluster replica streams text only): the choice's tokens and
+    probabilities come in one chunk of no text before its final body. Found by review:
+    through the ingress every chunk said ``"tokens": []`` and ``n_probs`` gave none."""
     predicted = [0 for _ in group.gens]
-    async for j, fragment in group.merged():
-        if fragment is None:
-            body = last(base + j, await group.gens[j].result())
-            yield body if isinstance(body, dict) else await body
-            continue
-        if not (fragment.text or fragment.logprobs):
-            continue
-        chunk: dict[str, object] = {"index": base + j, "content": fragment.text}
+    fed = [False for _ in group.gens]  # whether choice j's fragments carried its tokens
+
+    def chunk_of(j: int, text: str, logprobs: Sequence[TokenLogprob]) -> dict[str, object]:
+        chunk: dict[str, object] = {"index": base + j, "content": text}
         if counts:
-            ids = [t.token for t in fragment.logprobs]
+            ids = [t.token for t in logprobs]
             predicted[j] += len(ids)
             chunk["tokens"] = ids
         chunk["stop"] = False
@@ -441,8 +440,21 @@ async def _llama_chunks(
             chunk["tokens_predicted"] = predicted[j]
             chunk["tokens_evaluated"] = len(group.gens[j].stream.prompt_tokens)
         if req.n_probs:
-            chunk["completion_probabilities"] = convert.token_logprobs(fragment.logprobs, ids=True)
-        yield chunk
+            chunk["completion_probabilities"] = convert.token_logprobs(logprobs, ids=True)
+        return chunk
+
+    async for j, fragment in group.merged():
+        if fragment is None:
+            done = await group.gens[j].result()
+            if not fed[j] and done.logprobs and (counts or req.n_probs):
+                yield chunk_of(j, "", done.logprobs)
+            body = last(base + j, done)
+            yield body if isinstance(body, dict) else await body
+            continue
+        if not (fragment.text or fragment.logprobs):
+            continue
+        fed[j] = fed[j] or bool(fragment.logprobs)
+        yield chunk_of(j, fragment.text, fragment.logprobs)
 
 
 def _infill_body(
@@ -529,13 +541,18 @@ _OFF: dict[str, tuple[object, str]] = {
 }
 
 
+#: Fields of ``_OFF`` that llama.cpp acts on only above 0 (``top_n_sigma``'s sampler, the
+#: dynamic temperature's, llama-server's time limit): 0 and any negative value are off. Found
+#: by review: only a negative value was, so 0, their usual "off", was a 400.
+_OFF_AT_OR_BELOW_ZERO = frozenset({"top_n_sigma", "dynatemp_range", "t_max_predict_ms"})
+
+
 def refuse_unsupported(req: LlamaCompletionRequest) -> None:
     """A 400 naming the first field of ``_OFF`` given a value other than its "off" one."""
     for name, (off, why) in _OFF.items():
         value = getattr(req, name)
-        # top_n_sigma and t_max_predict_ms are off at any negative value, llama-server's rule.
-        if name in ("top_n_sigma", "t_max_predict_ms") and isinstance(value, int | float):
-            if value < 0:
+        if name in _OFF_AT_OR_BELOW_ZERO and isinstance(value, int | float):
+            if value <= 0:
                 continue
         elif value == off:
             continue
