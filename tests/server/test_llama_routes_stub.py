@@ -194,3 +194,21 @@ def test_a_foreign_origin_cannot_drive_the_new_routes(client: TestClient) -> Non
     ):
         assert client.post(route, json=body, headers=evil).status_code == 403
     assert client.get("/slots", headers=evil).status_code == 403
+
+
+def test_a_get_loads_no_model() -> None:
+    """GET /props and /slots answer for a loaded model only: any web page may send a GET
+    (with no Origin header, so the guard cannot refuse it), and loading a model, or unloading
+    an idle one to make room, is a change no foreign page may cause."""
+    with TestClient(create_app(stub_settings())) as c:
+        wait_ready(c.get)
+        assert c.post("/admin/models/unload", json={"model": "b"}).json()["status"] == "available"
+        for route in ("/props?model=b", "/slots?model=b"):
+            refused = c.get(route)
+            assert refused.status_code == 409, route
+            assert refused.json()["error"]["code"] == "model_not_loaded"
+        statuses = {m["id"]: m["status"] for m in c.get("/v1/models").json()["data"]}
+        assert statuses["b"] == "available"  # still not loaded
+        assert c.post("/completion", json={"prompt": "x", "n_predict": 1, "model": "b"}).is_success
+        assert c.get("/props?model=b").json()["default_generation_settings"]["n_ctx"] == 256
+        assert len(c.get("/slots?model=b").json()) >= 1

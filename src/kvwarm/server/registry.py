@@ -278,8 +278,10 @@ class ModelRegistry:
         lease: bool = True,
         keep_alive: float | None = None,
         generation: bool = False,
+        load: bool = True,
     ) -> ServedModel:
-        """The ready model ``name`` (an id or an alias) names, loading it first if need be.
+        """The ready model ``name`` (an id or an alias) names, loading it first if need be
+        (with ``load`` false, a model not loaded is a 409 ``model_not_loaded``).
 
         Inside ``request_leases`` the model is leased until the request ends. A
         ``generation`` sets how long the model stays loaded once idle, as each Ollama request
@@ -298,6 +300,15 @@ class ModelRegistry:
                         self.reaper_wake.set()
                     return entry.model
                 self._refuse_unready(entry)
+                if not load and entry.state == "available":
+                    raise HTTPError(
+                        409,
+                        f"the model {entry.id!r} is not loaded, and this route loads none (a "
+                        "GET any web page may send): a request to the model, or POST "
+                        "/admin/models/load, loads it",
+                        code="model_not_loaded",
+                        param="model",
+                    )
                 if entry.state == "available":
                     self._check_model_file(entry)
                     self._start_load(entry, on_demand=True)

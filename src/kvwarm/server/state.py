@@ -464,11 +464,11 @@ class ServerState:
     def ready_model(self, model_id: str) -> ServedModel | None:
         return self.registry.ready_model(model_id)
 
-    async def acquire(self, name: str | None) -> ServedModel:
+    async def acquire(self, name: str | None, *, load: bool = True) -> ServedModel:
         """The ready model a request names (an id, an alias or a LoRA adapter's name; the
-        first configured model if it names none), loaded on first use; leased until the
-        request ends."""
-        return await self.registry.acquire(name)
+        first configured model if it names none), loaded on first use (``load`` false: a
+        409 instead, for a GET that must change nothing); leased until the request ends."""
+        return await self.registry.acquire(name, load=load)
 
     #: Whether ``cluster_view`` answers: the page asks ``/cluster`` only then (``/ui/config.json``).
     is_cluster: bool = False

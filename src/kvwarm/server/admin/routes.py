@@ -481,7 +481,9 @@ async def props(request: Request, model: Annotated[str | None, _model_query()] =
     """llama-server's ``GET /props``: the model's context, slots, template, special tokens and
     the sampling a request gets by default, under llama-server's names."""
     state = server_state(request)
-    served = await state.acquire(model)
+    # A GET loads no model (nor unloads an idle one to make room): any web page may send it,
+    # with no Origin header (``guard.py``). Found by review: both did.
+    served = await state.acquire(model, load=False)
     info = await run_in_threadpool(served.info)
     meta = info.metadata
     special: dict[str, str] = {}
@@ -567,7 +569,9 @@ async def slots(
     state = server_state(request)
     if state.is_cluster:
         state.require_engine()  # 501 there: not an empty list, which would say "no slots"
-    served = await state.acquire(model)
+    # A GET loads no model (nor unloads an idle one to make room): any web page may send it,
+    # with no Origin header (``guard.py``). Found by review: both did.
+    served = await state.acquire(model, load=False)
     status = served.status()
     n_ctx = (await run_in_threadpool(served.info)).n_ctx
     data = [
