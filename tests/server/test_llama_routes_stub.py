@@ -88,12 +88,13 @@ def test_completion_of_several_prompts_is_a_list_indexed_as_llama_server(
         ("top_n_sigma", 1.0),
         ("dynatemp_range", 0.5),
         ("repeat_last_n", 128),
-        ("min_keep", 1),
+        ("min_keep", 2),
         ("id_slot", 0),
         ("cache_prompt", False),
         ("n_indent", 4),
         ("t_max_predict_ms", 500),
         ("samplers", ["top_k", "temperature"]),
+        ("samplers", "edskympxt"),  # min-p before top-p
         ("timings_per_token", True),
         ("return_progress", True),
         ("post_sampling_probs", True),
@@ -103,6 +104,8 @@ def test_completion_refuses_what_kvwarm_cannot_do_by_name(
     client: TestClient, field: str, value: object
 ) -> None:
     body = {"prompt": "x", "n_predict": 1, field: value}
+    if field == "repeat_last_n":
+        body["repeat_penalty"] = 1.1  # the window of a penalty that runs
     refused = client.post("/completion", json=body, headers=AUTH)
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
@@ -120,6 +123,26 @@ def test_completion_takes_the_off_values_llama_server_clients_send(client: TestC
             body = {"prompt": "x", "n_predict": 1, field: value}
             done = client.post("/completion", json=body, headers=AUTH)
             assert done.status_code == 200, (field, value, done.text)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"samplers": "edskypmxt"},  # llama-server's default order
+        {"samplers": "edkypmxt"},  # an older default, without top-n-sigma
+        {"samplers": "ekypmt"},
+        {"samplers": ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temp"]},
+        {"repeat_last_n": 256},  # no penalty runs: its window counts nothing
+        {"repeat_last_n": 0, "repeat_penalty": 1.0, "presence_penalty": 0},
+        {"min_keep": 1},  # llama.cpp's truncations keep one at least anyway
+    ],
+)
+def test_completion_takes_what_changes_nothing_kvwarm_runs(
+    client: TestClient, extra: dict[str, object]
+) -> None:
+    body = {"prompt": "x", "n_predict": 1, **extra}
+    done = client.post("/completion", json=body, headers=AUTH)
+    assert done.status_code == 200, done.text
 
 
 def test_embedding_is_llama_servers_list_of_vectors(client: TestClient) -> None:

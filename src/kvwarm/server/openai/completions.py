@@ -547,14 +547,55 @@ _OFF: dict[str, tuple[object, str]] = {
 _OFF_AT_OR_BELOW_ZERO = frozenset({"top_n_sigma", "dynatemp_range", "t_max_predict_ms"})
 
 
+#: llama-server's sampler letters (``common_sampler_type_to_chr``) and names
+#: (``common_sampler_types_from_names``, with its aliases): its default order is
+#: ``edskypmxt``. DRY (d), top-n-sigma (s) and XTC (x) are off in kvwarm, so where they
+#: stand changes nothing; the others must keep the default order kvwarm's chain runs.
+_SAMPLER_NAMES = {
+    "penalties": "e", "dry": "d", "top_n_sigma": "s", "top_k": "k", "top-k": "k",
+    "typ_p": "y", "typical_p": "y", "typical": "y", "top_p": "p", "top-p": "p",
+    "nucleus": "p", "min_p": "m", "min-p": "m", "xtc": "x", "temperature": "t", "temp": "t",
+}  # fmt: skip
+_SAMPLERS_OFF_HERE = frozenset("dsx")
+
+
+def _samplers_as_run(samplers: str | list[str] | None) -> bool:
+    """Whether a ``samplers`` value asks for what kvwarm runs anyway: none, or llama-server's
+    default order (its samplers kvwarm has off anywhere or left out). Found by review: the
+    default order itself, which llama.cpp's web page and scripts send, was a 400."""
+    if samplers is None:
+        return True
+    letters = (
+        samplers if isinstance(samplers, str) else [_SAMPLER_NAMES.get(n, "?") for n in samplers]
+    )
+    active = "".join(c for c in letters if c not in _SAMPLERS_OFF_HERE)
+    return active == "ekypmt"
+
+
+def _as_run(req: LlamaCompletionRequest, name: str, value: object) -> bool:
+    """Whether ``value`` of ``_OFF``'s field ``name`` changes nothing kvwarm runs: values
+    other than the one "off" value that are off too. Found by review: a client sending
+    ``repeat_last_n`` with no penalty on, or ``min_keep`` 1, was refused."""
+    if name in _OFF_AT_OR_BELOW_ZERO and isinstance(value, int | float):
+        return value <= 0
+    if name == "samplers":
+        return _samplers_as_run(req.samplers)
+    if name == "repeat_last_n":  # the window of penalties that are off counts nothing
+        return value == 64 or (
+            req.repeat_penalty in (None, 1.0)
+            and not req.presence_penalty
+            and not req.frequency_penalty
+        )
+    if name == "min_keep":  # llama.cpp's truncations keep one candidate at least anyway
+        return value in (0, 1)
+    return value == _OFF[name][0]
+
+
 def refuse_unsupported(req: LlamaCompletionRequest) -> None:
-    """A 400 naming the first field of ``_OFF`` given a value other than its "off" one."""
+    """A 400 naming the first field of ``_OFF`` given a value that would change what runs."""
     for name, (off, why) in _OFF.items():
         value = getattr(req, name)
-        if name in _OFF_AT_OR_BELOW_ZERO and isinstance(value, int | float):
-            if value <= 0:
-                continue
-        elif value == off:
+        if _as_run(req, name, value):
             continue
         raise HTTPError(
             400,
