@@ -79,6 +79,29 @@ def test_cancelling_the_first_choice_before_its_prefill_cancels_the_group() -> N
         assert model.status().active == 0
 
 
+def test_a_group_cancelled_mid_prefill_reports_no_fork_prompt_as_reused() -> None:
+    """Found by review: each fork was seated claiming the whole prompt reused (an exact hit),
+    so a group cancelled before its prompt was complete, which shared nothing, added every
+    fork's prompt to ``cached_tokens`` (``kvwarm_cached_tokens_total``, the dashboard's
+    tokens served from the cache) and its ``cache_hit`` said exact. A fork reports its prompt
+    reused once it has it."""
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=3, backend=backend))  # type: ignore[arg-type]
+        before = model.status()
+        first, *forks = model.streams(PROMPT, SAMPLED, n=3)
+        backend.gate.step(1)  # the prompt's first chunk (n_batch 16): the forks wait for more
+        first.cancel()
+        backend.gate.set()
+        results = [s.result() for s in (first, *forks)]
+        assert [r.stats.finish_reason for r in results] == ["cancelled"] * 3
+        assert [(r.stats.cached_tokens, r.stats.cache_hit) for r in results] == [(0, "cold")] * 3
+        assert all(r.stats.reuse is None for r in results[1:])
+        after = model.status()
+        assert after.cached_tokens == before.cached_tokens
+        assert after.prompt_tokens - before.prompt_tokens == 3 * len(results[0].prompt_tokens)
+
+
 def test_streamed_logprobs_add_up_to_the_completions() -> None:
     with make_engine() as eng:
         model = eng.load_model(config=stub_config())

@@ -170,3 +170,46 @@ def test_a_keep_alive_tick_re_warms_nothing_more_once_the_server_closes(
         entry.last_warm = -math.inf  # due
     state._keepalive_tick()
     assert warmed == ["first"]
+
+
+def test_a_reply_read_to_its_end_is_counted_once_whether_its_result_is_read_or_not() -> None:
+    """Found by review: a generation was counted (``kvwarm_generations_total``, the request
+    log) only by ``result`` or, for a stream not yet done, by ``close``. The ``n`` choices'
+    pumps (``Choices.merged``) read a choice to its end ahead of the response: a client that
+    left (or was cut off as a slow reader) before the response got to that end had a reply
+    the model finished and counted (``kvwarm_requests_total``) counted nowhere else. Its end
+    read, it is counted, once, whatever follows."""
+    with make_engine() as eng:
+        model = eng.load_model(config=stub_config())
+        state = ServerState(stub_settings())
+
+        def finished() -> float:
+            total = 0.0
+            for reason in ("stop", "length"):
+                value = state.counters.registry.get_sample_value(
+                    "kvwarm_generations_total", {"model": model.id, "reason": reason}
+                )
+                total += value or 0.0
+            return total
+
+        def generation(prompt: str) -> Generation:
+            stream = model.stream(prompt, max_tokens=3)
+            return Generation(None, stream, "test", model.id, state, watch=False)  # type: ignore[arg-type]
+
+        async def run() -> None:
+            gen = generation("a short prompt")
+            assert "".join([f.text async for f in gen.fragments()])
+            assert finished() == 1  # its result never read: the response was left
+            gen.close()
+            await asyncio.gather(*state.background)
+            assert finished() == 1
+            # Read to its end, then its result (the usual path), then closed: once.
+            gen = generation("another prompt")
+            assert "".join([f.text async for f in gen.fragments()])
+            await gen.result()
+            gen.close()
+            await gen.result()
+            assert finished() == 2
+            assert state.counters.registry.get_sample_value("kvwarm_client_disconnects_total") == 0
+
+        asyncio.run(run())

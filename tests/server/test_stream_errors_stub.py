@@ -93,10 +93,22 @@ def slow_client() -> Iterator[TestClient]:
 
 @pytest.mark.parametrize("api", sorted(STREAMS))
 def test_a_stream_past_the_deadline_ends_with_an_error(slow_client: TestClient, api: str) -> None:
+    """... and is counted as a cancelled generation (found by review: its end was read by
+    ``Generation.fragments``, which raised the deadline's error before ``result`` counted
+    it, and ``close`` counted only a stream not yet done: it was counted nowhere)."""
     path, body = STREAMS[api]
+    before = _cancelled(slow_client)
     response = slow_client.post(path, json={"model": "a", "stream": True, **body})
     assert response.status_code == 200
     assert_ends_with_error(api, response.text, "request_timeout")
+    assert _cancelled(slow_client) == before + 1
+
+
+def _cancelled(client: TestClient) -> float:
+    """``kvwarm_generations_total`` of model a's cancelled generations."""
+    registry = client.app.state.kvwarm.counters.registry  # type: ignore[attr-defined]
+    labels = {"model": "a", "reason": "cancelled"}
+    return float(registry.get_sample_value("kvwarm_generations_total", labels) or 0.0)
 
 
 class _Died(BaseException):

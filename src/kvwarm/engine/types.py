@@ -416,7 +416,8 @@ class CompletionStats:
     key: bytes | None  # key of the finish save (prompt + reply): pass as the next parent_key
     stop_sequence: str | None = None  # the ``stop`` string that ended the reply, if one did
     #: What the planner found and why it reused no more (``kvwarm.cache.explain``); None for
-    #: a request that never reached a slot (cancelled while queued) or a fork (``n > 1``).
+    #: a request that never reached a slot (cancelled while queued) or a fork (``n > 1``)
+    #: that ended before it got the first choice's prompt KV.
     reuse: ReuseReport | None = None
     #: Speculative decoding: tokens drafted for verify passes, and how many of them the model
     #: accepted (llama-server's ``draft_n`` and ``draft_n_accepted``); 0 and 0 without it.

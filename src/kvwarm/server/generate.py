@@ -122,6 +122,7 @@ class Generation:
         self._finished = False
         self._first: Fragment | object | None = None
         self._done: Completion | None = None
+        self._recorded = False  # its finish counted and logged (``_record``: once)
         self._cut: KvwarmError | None = None  # why the server ended it, if it did
         self._deadline: asyncio.TimerHandle | None = None
         limit = float(state.settings.request_timeout_s)
@@ -223,14 +224,18 @@ class Generation:
 
     async def fragments(self) -> AsyncIterator[Fragment]:
         first, self._first = self._first, None
-        if first is _DONE:
-            return
-        if isinstance(first, Fragment):
-            yield first
-        async for fragment in self._iter:
-            yield fragment
-        if self._cut is not None:
-            self._check_cut(await self.stream.aresult())  # the stream is done: at once
+        if first is not _DONE:
+            if isinstance(first, Fragment):
+                yield first
+            async for fragment in self._iter:
+                yield fragment
+        done = await self.stream.aresult()  # the stream is done: at once
+        # Counted as its end is read, not only by ``result`` (found by review: a stream cut
+        # by the server raised below uncounted, and a choice that ``Choices.merged`` read to
+        # its end ahead of a response its client then left was counted nowhere, ``close``
+        # collecting only a stream not yet done).
+        self._record(done)
+        self._check_cut(done)
 
     async def result(self) -> Completion:
         """Wait for the completion (``Completion.stats.finish_reason`` 'cancelled' if the
@@ -248,6 +253,9 @@ class Generation:
         return done
 
     def _record(self, done: Completion) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
         self._state.counters.record_finish(
             self.model_id, done.stats.finish_reason, self.disconnected
         )

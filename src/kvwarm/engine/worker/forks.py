@@ -66,12 +66,12 @@ class Forks:
                 assembler=TextAssembler(req.options.stop),
                 prefill_pos=n,
                 pauses=[],
-                # The whole prompt's KV comes from the first choice: none is prefilled here.
-                cached_tokens=n,
-                hit_kind="exact",
-                # Why no more was reused: nothing was left (found by review: no report, so
-                # kvwarm_cache_reasons_total counted one of n choices and the log said "-").
-                reuse=ReuseReport(MissReason.NONE, found_tokens=n, reused_tokens=n),
+                # Nothing reused yet: the whole prompt's KV comes from the first choice at
+                # ``_share``, which says so then. Found by review: claimed here, a group
+                # cancelled or failed before its prompt was complete reported every fork's
+                # whole prompt as reused (an exact hit) in its stats and /metrics.
+                cached_tokens=0,
+                hit_kind="cold",
                 admitted=now,
                 last_continued=n,
                 adapters=adapters,  # the first choice's: they share its prompt's KV
@@ -115,6 +115,12 @@ class Forks:
             fork.kv_tokens[:] = slot.kv_tokens[:n]
             fork.canonical = min(slot.canonical, n)
             fork.kv_namespace = slot.kv_namespace  # the same request's prompt, the same salt
+            # The whole prompt's KV came from the first choice: none is prefilled here.
+            fa.cached_tokens = n
+            fa.hit_kind = "exact"
+            # Why no more was reused: nothing was left (found by review: no report, so
+            # kvwarm_cache_reasons_total counted one of n choices and the log said "-").
+            fa.reuse = ReuseReport(MissReason.NONE, found_tokens=n, reused_tokens=n)
             fa.prefill_done = now
             fork.phase = "generate"
             ready.append(fork)
