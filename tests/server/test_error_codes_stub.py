@@ -67,6 +67,9 @@ CASES = [
         "unsupported_parameter",
         "response_format",
     ),
+    # Chat's fields read only to be refused, one code for them all (audio's was invalid_value).
+    (_chat(modalities=["text", "audio"]), "unsupported_parameter", "modalities"),
+    (_chat(audio={"voice": "alloy", "format": "wav"}), "unsupported_parameter", "audio"),
     (
         ("/v1/completions", {"model": "a", "prompt": "x", "suffix": "y", "echo": True}),
         "invalid_value",

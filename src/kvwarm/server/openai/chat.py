@@ -81,14 +81,14 @@ async def chat_completions(request: Request) -> Response:
             400,
             f"modalities {other[0]!r} is not supported: kvwarm replies in text only",
             param="modalities",
-            code="invalid_value",
+            code="unsupported_parameter",
         )
     if req.audio is not None:
         raise HTTPError(
             400,
             "audio output is not supported: kvwarm replies in text only",
             param="audio",
-            code="invalid_value",
+            code="unsupported_parameter",
         )
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
