@@ -58,8 +58,12 @@ Json = dict[str, object]
 
 
 def _not_found(response_id: str, param: str | None = None) -> HTTPError:
-    code = "previous_response_not_found" if param else "response_not_found"
-    return HTTPError(404, f"Response with id {response_id!r} not found.", code=code, param=param)
+    return HTTPError(
+        404,
+        f"Response with id {response_id!r} not found.",
+        code="previous_response_not_found" if param else "response_not_found",
+        param=param,
+    )
 
 
 def _owner(request: Request, settings: Settings) -> str | None:
