@@ -12,6 +12,7 @@ every command is named somewhere."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import time
@@ -278,50 +279,57 @@ def test_metrics_exported_are_the_documented_ones(tmp_path: Path) -> None:
     assert not documented - exported, f"not exported: {sorted(documented - exported)}"
 
 
+_CODE = re.compile(r"[a-z]+(?:_[a-z]+)+")
+
+
+def _code_word(node: ast.expr | None) -> str | None:
+    value = node.value if isinstance(node, ast.Constant) else None
+    return value if isinstance(value, str) and _CODE.fullmatch(value) else None
+
+
+def _code_words(node: ast.expr | None) -> list[str | None]:
+    """A code, or both of a conditional's (``"a_b" if refused else "c_d"``)."""
+    if isinstance(node, ast.IfExp):
+        return [_code_word(node.body), _code_word(node.orelse)]
+    return [_code_word(node)]
+
+
+def _error_sources() -> Iterator[tuple[Path, ast.Module]]:
+    """The parsed source of the server and the cluster's ingress, whose errors server.md lists."""
+    for top in ("server", "cluster"):
+        for path in sorted((ROOT / "src" / "kvwarm" / top).rglob("*.py")):
+            yield path, ast.parse(path.read_text())
+
+
 def sent_errors() -> set[tuple[int, str]]:
     """Each (status, code) the server and the cluster's ingress may answer, read from their
     source: ``ErrorKind(status, type, code)``, ``HTTPError(status, ..., code=...)``, a refusal
     tuple ``(status, ..., code)`` and a ``{status: code}`` table (Anthropic's error types, which
     no OpenAI-shaped body carries as its code, left out)."""
-    import ast
-
     from kvwarm.server.errors import _ANTHROPIC_TYPES
-
-    code = re.compile(r"[a-z]+(?:_[a-z]+)+")
 
     def status(node: ast.expr) -> int | None:
         value = node.value if isinstance(node, ast.Constant) else None
         return value if isinstance(value, int) and 400 <= value < 600 else None
 
-    def word(node: ast.expr | None) -> str | None:
-        value = node.value if isinstance(node, ast.Constant) else None
-        return value if isinstance(value, str) and code.fullmatch(value) else None
-
-    def words(node: ast.expr | None) -> list[str | None]:
-        """A code, or both of a conditional's (``"a_b" if refused else "c_d"``)."""
-        if isinstance(node, ast.IfExp):
-            return [word(node.body), word(node.orelse)]
-        return [word(node)]
-
     found: set[tuple[int, str]] = set()
-    for top in ("server", "cluster"):
-        for path in (ROOT / "src" / "kvwarm" / top).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                pair: list[tuple[int | None, str | None]] = []
-                if isinstance(node, ast.Call) and node.args:
-                    given = next((k.value for k in node.keywords if k.arg == "code"), None)
-                    pair += [(status(node.args[0]), name) for name in words(given)]
-                    if isinstance(node.func, ast.Name) and node.func.id == "ErrorKind":
-                        pair.append((status(node.args[0]), word(node.args[-1])))
-                elif isinstance(node, ast.Tuple) and len(node.elts) >= 3:
-                    pair.append((status(node.elts[0]), word(node.elts[-1])))
-                elif isinstance(node, ast.Dict):
-                    pair += [
-                        (status(k), word(v))
-                        for k, v in zip(node.keys, node.values, strict=True)
-                        if k
-                    ]
-                found |= {(s, c) for s, c in pair if s is not None and c is not None}
+    for _, tree in _error_sources():
+        for node in ast.walk(tree):
+            pair: list[tuple[int | None, str | None]] = []
+            if isinstance(node, ast.Call) and node.args:
+                given = next((k.value for k in node.keywords if k.arg == "code"), None)
+                pair += [(status(node.args[0]), name) for name in _code_words(given)]
+                if isinstance(node.func, ast.Name) and node.func.id == "ErrorKind":
+                    pair.append((status(node.args[0]), _code_word(node.args[-1])))
+            elif isinstance(node, ast.Tuple) and len(node.elts) >= 3:
+                pair.append((status(node.elts[0]), _code_word(node.elts[-1])))
+            elif isinstance(node, ast.Dict):
+                pair += [
+                    (status(k), _code_word(v))
+                    for k, v in zip(node.keys, node.values, strict=True)
+                    if k
+                ]
+            found |= {(s, c) for s, c in pair if s is not None and c is not None}
     return found - {item for item in _ANTHROPIC_TYPES.items() if item[1].endswith("_error")}
 
 
@@ -350,6 +358,43 @@ def test_every_error_code_is_documented() -> None:
         )
     }
     assert not named - sent, f"no such status for the code: {sorted(named - sent)}"
+
+
+#: Raise sites whose code is no literal, with why each is whole: Starlette's own errors, coded by
+#: the ``{404: ..., 405: ...}`` table beside them (which ``sent_errors`` reads): no route takes a
+#: form or a body parameter, the only ways Starlette raises another status.
+COMPUTED_CODES = {("server/app.py", "handle")}
+
+
+def test_every_error_raised_carries_a_code() -> None:
+    """Every ``HTTPError`` the server and the cluster's ingress raise, and every ``ErrorKind``
+    an exception maps to, names its code as a literal (or a conditional of two): a client tells
+    errors apart by their code, and ``sent_errors`` (hence server.md's table) sees each one.
+    Found by review: 53 raise sites (``top_logprobs`` without ``logprobs``, ``background``
+    without ``store``, a bad ``order``...) answered ``"code": null``, and the Responses API's
+    404s named their codes through a variable, so the table above lacked them."""
+    missing: list[str] = []
+    for path, tree in _error_sources():
+        where = path.relative_to(ROOT / "src" / "kvwarm").as_posix()
+        # The function each node is in, the innermost (``ast.walk`` meets the outer first).
+        scope: dict[int, str] = {}
+        for outer in ast.walk(tree):
+            if isinstance(outer, ast.FunctionDef | ast.AsyncFunctionDef):
+                scope.update((id(node), outer.name) for node in ast.walk(outer))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+                continue
+            if node.func.id == "HTTPError":
+                given = next((k.value for k in node.keywords if k.arg == "code"), None)
+            elif node.func.id == "ErrorKind" and len(node.args) == 3:
+                given = node.args[-1]
+            else:
+                continue
+            if (where, scope.get(id(node), "")) in COMPUTED_CODES:
+                continue
+            if given is None or None in _code_words(given):
+                missing.append(f"{where}:{node.lineno} ({ast.unparse(node)[:60]})")
+    assert not missing, "errors raised without a code:\n" + "\n".join(missing)
 
 
 # Inline `name = value` spans that are no setting: formulas in formats.md and internals.md, and

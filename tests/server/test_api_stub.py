@@ -279,7 +279,7 @@ def test_response_formats_compile(client: TestClient) -> None:
     )
     missing = {"type": "json_schema", "json_schema": {"name": "x"}}
     response = client.post("/v1/chat/completions", json={**base, "response_format": missing})
-    assert_error(response, 400, None, "response_format.json_schema")
+    assert_error(response, 400, "invalid_value", "response_format.json_schema")
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "http://x/y"}}}
     assert_error(
         client.post("/v1/chat/completions", json={**base, "response_format": bad}),
@@ -520,9 +520,11 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     named = {"type": "function", "function": {"name": "f"}}
     for choice in ("required", named):
         forced = {"model": "a", "messages": hi, "tool_choice": choice}
-        assert_error(client.post("/v1/chat/completions", json=forced), 400, None, "tool_choice")
+        forced_reply = client.post("/v1/chat/completions", json=forced)
+        assert_error(forced_reply, 400, "invalid_value", "tool_choice")
     no_logprobs = {"model": "a", "messages": hi, "top_logprobs": 2}  # top_logprobs needs them
-    assert_error(client.post("/v1/chat/completions", json=no_logprobs), 400, None, "top_logprobs")
+    no_top = client.post("/v1/chat/completions", json=no_logprobs)
+    assert_error(no_top, 400, "invalid_value", "top_logprobs")
     for choice in ("none", "auto"):  # these need no tools
         free = {"model": "a", "messages": hi, "tool_choice": choice, "max_tokens": 1}
         assert client.post("/v1/chat/completions", json=free).status_code == 200
@@ -530,10 +532,12 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     function = {"name": "f", "parameters": {"type": "object"}}
     for legacy, value in (("functions", [function]), ("function_call", {"name": "f"})):
         old_style = {"model": "a", "messages": hi, legacy: value}
-        assert_error(client.post("/v1/chat/completions", json=old_style), 400, None, legacy)
+        old_reply = client.post("/v1/chat/completions", json=old_style)
+        assert_error(old_reply, 400, "unsupported_parameter", legacy)
     # best_of belongs to the legacy completions API (as at OpenAI): refused, not ignored.
     best = {"model": "a", "messages": hi, "n": 1, "best_of": 3}
-    assert_error(client.post("/v1/chat/completions", json=best), 400, None, "best_of")
+    best_reply = client.post("/v1/chat/completions", json=best)
+    assert_error(best_reply, 400, "unsupported_parameter", "best_of")
 
 
 def test_the_end_user_a_request_names_is_in_its_log_line(
@@ -574,7 +578,7 @@ def test_stream_options_need_a_stream(client: TestClient) -> None:
     plain = {"model": "a", "prompt": "x", "max_tokens": 1}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", plain)):
         refused = client.post(path, json={**body, "stream_options": options})
-        assert_error(refused, 400, None, "stream_options")
+        assert_error(refused, 400, "invalid_value", "stream_options")
         with client.stream(
             "POST", path, json={**body, "stream": True, "stream_options": options}
         ) as r:

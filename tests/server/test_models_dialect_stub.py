@@ -65,5 +65,5 @@ def test_openai_clients_and_other_paths_keep_openais_shape(client: TestClient) -
     assert_error(client.get("/v1/models"), 401, "invalid_api_key")
     # anthropic-version on an OpenAI-only path changes nothing.
     response = client.post("/v1/embeddings", json={"input": []}, headers=ANTHROPIC)
-    assert_error(response, 400, None)
+    assert_error(response, 400, "invalid_value")
     assert_error(client.get("/v1/modelsx", headers=ANTHROPIC), 404, "not_found")

@@ -157,7 +157,7 @@ def test_cancel_ends_a_running_one_and_frees_its_slot(gated: tuple[TestClient, G
     assert again.status_code == 200 and again.json()["status"] == "cancelled"
     # Nothing to continue from.
     follow = client.post("/v1/responses", json={**BODY, "previous_response_id": rid})
-    assert_error(follow, 400, None, "previous_response_id")
+    assert_error(follow, 400, "invalid_value", "previous_response_id")
     assert "cancelled" in follow.json()["error"]["message"]
 
 
@@ -217,15 +217,18 @@ def test_failed_generation_is_stored_failed_with_its_error(
 
 
 @pytest.mark.parametrize(
-    ("extra", "param"),
-    [({"store": False}, "background"), ({"stream": True}, "stream")],
+    ("extra", "param", "code"),
+    [
+        ({"store": False}, "background", "invalid_value"),
+        ({"stream": True}, "stream", "unsupported_parameter"),
+    ],
 )
 def test_background_needs_store_and_no_stream(
-    gated: tuple[TestClient, Gated], extra: dict[str, object], param: str
+    gated: tuple[TestClient, Gated], extra: dict[str, object], param: str, code: str
 ) -> None:
     client, _ = gated
     refused = client.post("/v1/responses", json={**BODY, **extra})
-    assert_error(refused, 400, None, param)
+    assert_error(refused, 400, code, param)
     assert _active(client) == 0 and len(server_state(client).responses) == 0
 
 
@@ -235,7 +238,8 @@ def test_cancel_of_a_response_made_without_background_is_400(
     client, _ = gated
     made = client.post("/v1/responses", json={**BODY, "background": False}).json()
     assert made["background"] is False and made["status"] in ("completed", "incomplete")
-    assert_error(client.post(f"/v1/responses/{made['id']}/cancel"), 400, None, "response_id")
+    cancel = client.post(f"/v1/responses/{made['id']}/cancel")
+    assert_error(cancel, 400, "invalid_value", "response_id")
     assert_error(client.post("/v1/responses/resp_nope/cancel"), 404, "response_not_found")
 
 
@@ -244,7 +248,7 @@ def test_a_running_one_cannot_be_continued_yet(gated: tuple[TestClient, Gated]) 
     backend.free = 0
     rid = client.post("/v1/responses", json=BODY).json()["id"]
     follow = client.post("/v1/responses", json={**BODY, "previous_response_id": rid})
-    assert_error(follow, 400, None, "previous_response_id")
+    assert_error(follow, 400, "invalid_value", "previous_response_id")
     assert "still running" in follow.json()["error"]["message"]
     backend.gate.set()
     background_ended(client, rid)

@@ -319,7 +319,10 @@ def allowed_tools(
     for i, name in enumerate(names):
         if name not in declared:
             raise HTTPError(
-                400, f"tool_choice allows {name!r}, which is not in tools", param=f"{param}.{i}"
+                400,
+                f"tool_choice allows {name!r}, which is not in tools",
+                code="invalid_value",
+                param=f"{param}.{i}",
             )
     return [t for t in tools or () if t.function.name in names], choice.allowed_tools.mode
 

@@ -46,7 +46,10 @@ def response_schema(fmt: ResponseFormat | None) -> dict[str, object] | None:
     schema = fmt.json_schema.schema_ if fmt.json_schema is not None else fmt.schema_
     if schema is None:
         raise HTTPError(
-            400, "response_format json_schema needs a schema", param="response_format.json_schema"
+            400,
+            "response_format json_schema needs a schema",
+            code="invalid_value",
+            param="response_format.json_schema",
         )
     return schema
 
@@ -85,7 +88,9 @@ def options(
     elif req.stop:
         stop = tuple(req.stop)
     if json_schema is not None and req.grammar is not None:
-        raise HTTPError(400, "give grammar or response_format, not both", param="grammar")
+        raise HTTPError(
+            400, "give grammar or response_format, not both", code="invalid_value", param="grammar"
+        )
     bias: dict[int, float] | None = None
     if req.logit_bias:
         # A key is a token id's decimal digits: Python's int() also read "1_0" as 10, " 7 "
@@ -95,6 +100,7 @@ def options(
             raise HTTPError(
                 400,
                 f"logit_bias keys must be token ids (decimal digits), not {bad[0]!r}",
+                code="invalid_value",
                 param="logit_bias",
             )
         bias = {int(token): float(value) for token, value in req.logit_bias.items()}

@@ -135,7 +135,12 @@ class LoraTable:
                     code="invalid_value",
                 )
             if adapter_id in scales:
-                raise HTTPError(400, f"LoRA adapter {adapter_id} is listed twice", param=param)
+                raise HTTPError(
+                    400,
+                    f"LoRA adapter {adapter_id} is listed twice",
+                    code="invalid_value",
+                    param=param,
+                )
             if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
                 raise HTTPError(
                     400,

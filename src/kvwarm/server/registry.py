@@ -108,7 +108,9 @@ def keep_alive_seconds(value: float | str, *, param: str = "keep_alive") -> floa
     until an admin unloads it). ``HTTPError`` 400 naming ``param`` for anything else."""
     seconds: float
     if isinstance(value, bool):
-        raise HTTPError(400, "keep_alive is a duration, not a boolean", param=param)
+        raise HTTPError(
+            400, "keep_alive is a duration, not a boolean", code="invalid_type", param=param
+        )
     if isinstance(value, int | float):
         seconds = float(value)
     else:
@@ -244,7 +246,12 @@ class ModelRegistry:
     def _resolve(self, name: str | None) -> ModelEntry:
         if name is None:
             if self.default_id is None:
-                raise HTTPError(400, "this server has no default model: name one", param="model")
+                raise HTTPError(
+                    400,
+                    "this server has no default model: name one",
+                    code="invalid_value",
+                    param="model",
+                )
             name = self.default_id
         target = name
         if name not in self.entries:

@@ -233,7 +233,10 @@ def check_sampling(req: SamplingFields) -> None:
     (its usage chunk would never come)."""
     if req.stream_options is not None and not req.stream:
         raise HTTPError(
-            400, "stream_options is only allowed with stream: true", param="stream_options"
+            400,
+            "stream_options is only allowed with stream: true",
+            code="invalid_value",
+            param="stream_options",
         )
 
 
@@ -393,7 +396,12 @@ class AllowedTools(_Body):
             fn = ref.get("function")
             name = fn.get("name") if isinstance(fn, dict) else ref.get("name")
             if not isinstance(name, str) or not name:
-                raise HTTPError(400, f"{param}.{i} names no function", param=f"{param}.{i}")
+                raise HTTPError(
+                    400,
+                    f"{param}.{i} names no function",
+                    code="invalid_value" if name == "" else "invalid_type",
+                    param=f"{param}.{i}",
+                )
             out.append(name)
         return out
 
@@ -813,6 +821,7 @@ def _one_value_per_field(data: dict[str, Any], model: type[BaseModel]) -> None:
                     400,
                     f"{given[0]} and {other} name one field: give one of them, or the same "
                     "value to both",
+                    code="invalid_value",
                     param=other,
                 )
 

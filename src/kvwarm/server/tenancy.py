@@ -120,12 +120,18 @@ def prewarm_salt(
     if tenant_key is None and not shared:
         return cache_salt(request, body_salt, settings)
     if tenant_key is not None and shared:
-        raise HTTPError(400, "give at most one of tenant_key and shared", param="tenant_key")
+        raise HTTPError(
+            400,
+            "give at most one of tenant_key and shared",
+            code="invalid_value",
+            param="tenant_key",
+        )
     param = "tenant_key" if tenant_key is not None else "shared"
     if not settings.cache_salt_from_auth:
         raise HTTPError(
             400,
             f"{param} needs cache_salt_from_auth: without it keys do not scope the cache",
+            code="invalid_value",
             param=param,
         )
     return scoped(explicit_salt(request, body_salt), tenant_key)

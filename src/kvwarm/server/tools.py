@@ -483,6 +483,7 @@ def check_tools(tools: Sequence[Tool]) -> None:
                 400,
                 f"tools.{i}: the name {name!r} is taken by tools.{seen[name]}; tool names must "
                 "be unique",
+                code="invalid_value",
                 param=f"tools.{i}",
             )
         seen[name] = i
@@ -492,6 +493,7 @@ def check_tools(tools: Sequence[Tool]) -> None:
                 400,
                 f"tools.{i}: the parameters of {name!r} must be a JSON schema of type 'object', "
                 f"not {kind!r}",
+                code="invalid_value",
                 param=f"tools.{i}",
             )
 
@@ -522,7 +524,10 @@ def plan_chat(
             else "is 'required'"
         )
         raise HTTPError(
-            400, f"tool_choice {choice}, but the request has no tools", param="tool_choice"
+            400,
+            f"tool_choice {choice}, but the request has no tools",
+            code="invalid_value",
+            param="tool_choice",
         )
     check_tools(tools or ())
     if not tools or tool_choice == "none":
@@ -534,6 +539,7 @@ def plan_chat(
             raise HTTPError(
                 400,
                 f"tool_choice names {tool_choice.function.name!r}, which is not in tools",
+                code="invalid_value",
                 param="tool_choice",
             )
     forced = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)

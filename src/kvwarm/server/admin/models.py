@@ -301,9 +301,14 @@ async def load_model(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), LoadRequest)
     if (req.name is None) == (req.path is None):
-        raise HTTPError(400, "give exactly one of name or path", param="name")
+        raise HTTPError(400, "give exactly one of name or path", code="invalid_value", param="name")
     if req.id is not None and req.path is None:
-        raise HTTPError(400, "id names a model loaded by path; a name keeps its own id", param="id")
+        raise HTTPError(
+            400,
+            "id names a model loaded by path; a name keeps its own id",
+            code="invalid_value",
+            param="id",
+        )
     path = None
     if req.path is not None:
         if not (state.settings.admin_key or state.settings.api_key):
@@ -361,7 +366,9 @@ def _lora_model(state: ServerState, model: str | None) -> str:
     else the default model (llama-server serves one)."""
     name = model or state.registry.default_id
     if name is None:
-        raise HTTPError(400, "this server has no default model: name one", param="model")
+        raise HTTPError(
+            400, "this server has no default model: name one", code="invalid_value", param="model"
+        )
     base = state.lora.base_of(name)
     if base is not None:
         return base

@@ -307,9 +307,9 @@ async def cache_row(
     try:
         raw = bytes.fromhex(key)
     except ValueError:
-        raise HTTPError(400, "key must be hex", param="key") from None
+        raise HTTPError(400, "key must be hex", code="invalid_value", param="key") from None
     if not raw or len(raw) > 64:
-        raise HTTPError(400, "key must be 1 to 64 bytes of hex", param="key")
+        raise HTTPError(400, "key must be 1 to 64 bytes of hex", code="invalid_value", param="key")
     row = await run_in_threadpool(cache.lookup_exact_or_wait, raw, wait_ms / 1e3)
     if row is None:
         raise HTTPError(404, f"no published row {key}", param="key", code="row_not_found")
@@ -341,7 +341,9 @@ async def cache_prewarm(request: Request) -> Response:
     # The body's own faults before its model is acquired (found by review: the model was
     # loaded, and stayed, for a body then refused).
     if (req.prompt is None) == (req.messages is None):
-        raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
+        raise HTTPError(
+            400, "give exactly one of prompt or messages", code="invalid_value", param="prompt"
+        )
     ttl = TtlClass[req.ttl_class.upper()]
     salt = tenancy.prewarm_salt(
         request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared

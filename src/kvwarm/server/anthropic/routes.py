@@ -56,6 +56,7 @@ async def messages(request: Request) -> Response:
         raise HTTPError(
             400,
             "tool_choice any/tool cannot be combined with an output format",
+            code="unsupported_parameter",
             param="output_config.format",
         )
     if schema is not None and prefill:
@@ -67,6 +68,7 @@ async def messages(request: Request) -> Response:
             400,
             "a trailing assistant message (a prefill) cannot be combined with an output "
             "format: the format constrains the whole reply; drop the prefill",
+            code="invalid_value",
             param="messages",
         )
     fields = chat.sampling_fields(

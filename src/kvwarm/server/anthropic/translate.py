@@ -86,7 +86,9 @@ def _image(block: ImageBlock, where: str) -> ContentPart:
     source = block.source
     if source.type == "base64":
         if not source.data:
-            raise HTTPError(400, f"{where}: an image block needs source.data", param=where)
+            raise HTTPError(
+                400, f"{where}: an image block needs source.data", code="invalid_value", param=where
+            )
         # The bytes decide what the image is (kvwarm.media sniffs them, as for every API's
         # images); a type the data: URI cannot carry (none, "png") is left out of it.
         kind = source.media_type or ""
@@ -95,7 +97,9 @@ def _image(block: ImageBlock, where: str) -> ContentPart:
         url = f"data:{kind};base64,{source.data}"
     else:
         if not source.url:
-            raise HTTPError(400, f"{where}: an image block needs source.url", param=where)
+            raise HTTPError(
+                400, f"{where}: an image block needs source.url", code="invalid_value", param=where
+            )
         url = source.url
     part = ContentPart(type="image_url", image_url=ImageUrl(url=url))
     part._where = where
@@ -155,7 +159,12 @@ def _user(message: Message, where: str) -> list[ChatMessage]:
         elif isinstance(block, MediaBlock):
             raise _unsupported(block, at)
         elif isinstance(block, ToolUseBlock):
-            raise HTTPError(400, f"{at}: tool_use blocks belong to assistant turns", param=at)
+            raise HTTPError(
+                400,
+                f"{at}: tool_use blocks belong to assistant turns",
+                code="invalid_value",
+                param=at,
+            )
     if parts or not out:
         out.append(ChatMessage(role="user", content=_user_content(parts)))
     return out
@@ -186,7 +195,12 @@ def _assistant(message: Message, where: str) -> ChatMessage:
                 param=at,
             )
         elif isinstance(block, ToolResultBlock):
-            raise HTTPError(400, f"{at}: tool_result blocks belong to user turns", param=at)
+            raise HTTPError(
+                400,
+                f"{at}: tool_result blocks belong to user turns",
+                code="invalid_value",
+                param=at,
+            )
         # ThinkingBlock: an earlier turn's reasoning is not part of the prompt.
     return ChatMessage(role="assistant", content="".join(text), tool_calls=calls or None)
 
@@ -209,7 +223,10 @@ def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
         if index == last and index > 0:
             if turn.tool_calls:
                 raise HTTPError(
-                    400, f"{where}: the last message cannot be an assistant tool call", param=where
+                    400,
+                    f"{where}: the last message cannot be an assistant tool call",
+                    code="invalid_value",
+                    param=where,
                 )
             prefill = turn.content if isinstance(turn.content, str) else ""
             continue
@@ -248,11 +265,21 @@ def tool_choice(choice: ToolChoice | None, declared: Sequence[Tool] | None) -> C
     if choice.type == "none":
         return "none"
     if not declared:
-        raise HTTPError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+        raise HTTPError(
+            400,
+            f"tool_choice {choice.type!r} needs tools",
+            code="invalid_value",
+            param="tool_choice",
+        )
     if choice.type == "any":
         return "required"
     if not choice.name:
-        raise HTTPError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")
+        raise HTTPError(
+            400,
+            "tool_choice of type 'tool' needs a name",
+            code="invalid_type" if choice.name is None else "invalid_value",
+            param="tool_choice.name",
+        )
     return NamedToolChoice(function=NamedToolChoiceFunction(name=choice.name))
 
 

@@ -64,6 +64,7 @@ async def chat_completions(request: Request) -> Response:
                 400,
                 f"{legacy} (OpenAI's deprecated function calling) is not supported: "
                 "use tools and tool_choice",
+                code="unsupported_parameter",
                 param=legacy,
             )
     if req.best_of is not None:
@@ -71,6 +72,7 @@ async def chat_completions(request: Request) -> Response:
             400,
             "best_of is a /v1/completions parameter; chat completions have no best_of "
             "(as OpenAI's): ask for n choices",
+            code="unsupported_parameter",
             param="best_of",
         )
     other = [m for m in req.modalities or () if m != "text"]
@@ -79,18 +81,23 @@ async def chat_completions(request: Request) -> Response:
             400,
             f"modalities {other[0]!r} is not supported: kvwarm replies in text only",
             param="modalities",
-            code="invalid_value",
+            code="unsupported_parameter",
         )
     if req.audio is not None:
         raise HTTPError(
             400,
             "audio output is not supported: kvwarm replies in text only",
             param="audio",
-            code="invalid_value",
+            code="unsupported_parameter",
         )
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
-        raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        raise HTTPError(
+            400,
+            "top_logprobs needs logprobs set to true",
+            code="invalid_value",
+            param="top_logprobs",
+        )
     model, lora = await state.acquire_generation(
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
@@ -107,6 +114,7 @@ async def chat_completions(request: Request) -> Response:
         raise HTTPError(
             400,
             "tool_choice required/named cannot be combined with response_format",
+            code="unsupported_parameter",
             param="response_format",
         )
     opts = convert.options(

@@ -59,7 +59,7 @@ def _prompts(
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise HTTPError(400, "prompt must not be empty", param="prompt")
+        raise HTTPError(400, "prompt must not be empty", code="invalid_value", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [[p for p in prompt if isinstance(p, int)]]
     out: list[Prompt] = []
@@ -153,7 +153,9 @@ async def completions(request: Request) -> Response:
     prompts = _prompts(req.prompt)
     if req.suffix is not None:
         if req.echo:
-            raise HTTPError(400, "echo cannot be combined with suffix", param="echo")
+            raise HTTPError(
+                400, "echo cannot be combined with suffix", code="invalid_value", param="echo"
+            )
         prompts = await _fim_prompts(model, prompts, req.suffix)
     echo_lp = req.echo and req.logprobs is not None
     opts = convert.options(
@@ -359,7 +361,7 @@ async def infill(request: Request) -> Response:
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
     if req.n != 1:
-        raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
+        raise HTTPError(400, "/infill makes one completion (n=1)", code="invalid_value", param="n")
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
     convert.length_within(req.n_predict, "n_predict", limit, over_limit)
     opts = convert.options(

@@ -103,7 +103,7 @@ async def _embedded(
     else:
         items = [x if isinstance(x, str) else list(x) for x in raw if isinstance(x, str | list)]
     if not items:
-        raise HTTPError(400, f"{param} must not be empty", param=param)
+        raise HTTPError(400, f"{param} must not be empty", code="invalid_value", param=param)
 
     def work(cancel: Cancellation) -> tuple[list[list[float]], int]:
         # Under a generation's deadline, and cancelled by the client's disconnect (found by
@@ -143,7 +143,9 @@ async def llama_embedding(request: Request) -> Response:
     req = parse_body(body, LlamaEmbeddingRequest)
     raw = req.input if req.input is not None else req.content
     if raw is None:
-        raise HTTPError(400, "give content (or input): the text to embed", param="content")
+        raise HTTPError(
+            400, "give content (or input): the text to embed", code="invalid_type", param="content"
+        )
     if req.embd_normalize not in (-1, 2):
         raise HTTPError(
             400,

@@ -58,8 +58,12 @@ Json = dict[str, object]
 
 
 def _not_found(response_id: str, param: str | None = None) -> HTTPError:
-    code = "previous_response_not_found" if param else "response_not_found"
-    return HTTPError(404, f"Response with id {response_id!r} not found.", code=code, param=param)
+    return HTTPError(
+        404,
+        f"Response with id {response_id!r} not found.",
+        code="previous_response_not_found" if param else "response_not_found",
+        param=param,
+    )
 
 
 def _owner(request: Request, settings: Settings) -> str | None:
@@ -78,6 +82,7 @@ def _lookup(request: Request, response_id: str, param: str | None = None) -> Sto
                 400,
                 f"Response with id {response_id!r} is still running (background); wait until "
                 "it has completed to continue it.",
+                code="invalid_value",
                 param=param,
             )
         raise _not_found(response_id, param)
@@ -171,6 +176,7 @@ async def create_response(request: Request) -> Response:
             400,
             "background mode needs store: a background response is polled from the store "
             "(GET /v1/responses/{id}); set store to true",
+            code="invalid_value",
             param="background",
         )
     if req.background and req.stream:
@@ -178,6 +184,7 @@ async def create_response(request: Request) -> Response:
             400,
             "background with stream is not supported by this server: create it without "
             "stream and poll GET /v1/responses/{id}",
+            code="unsupported_parameter",
             param="stream",
         )
     previous = None
@@ -188,6 +195,7 @@ async def create_response(request: Request) -> Response:
                 400,
                 f"Response with id {req.previous_response_id!r} {previous.body.get('status')}: "
                 "it has no reply to continue from",
+                code="invalid_value",
                 param="previous_response_id",
             )
     # A key's tenant (``owner``, checked by ``_lookup``) continues in its conversation's
@@ -213,7 +221,10 @@ async def create_response(request: Request) -> Response:
     schema = responses.text_schema(req.text)
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(
-            400, "tool_choice required/named cannot be combined with text.format", param="text"
+            400,
+            "tool_choice required/named cannot be combined with text.format",
+            code="unsupported_parameter",
+            param="text",
         )
     fields = chat.sampling_fields(
         max_tokens=req.max_output_tokens,
@@ -365,6 +376,7 @@ async def cancel_response(request: Request, response_id: str) -> Response:
             400,
             f"Response with id {response_id!r} was not created with background: only "
             "background responses can be cancelled.",
+            code="invalid_value",
             param="response_id",
         )
     return JSONResponse(found.body)
@@ -389,6 +401,7 @@ async def get_response(request: Request, response_id: str) -> Response:
             400,
             "stream: streaming a response again (OpenAI's resumable background streams) is "
             "not supported by this server; GET it without stream and poll its status",
+            code="unsupported_parameter",
             param="stream",
         )
     return JSONResponse(found.body)
@@ -418,7 +431,10 @@ def _list_limit(raw: str | None) -> int:
         limit = 0
     if not 1 <= limit <= _MAX_LIST_LIMIT:
         raise HTTPError(
-            400, f"limit must be an integer from 1 to {_MAX_LIST_LIMIT}, not {raw!r}", param="limit"
+            400,
+            f"limit must be an integer from 1 to {_MAX_LIST_LIMIT}, not {raw!r}",
+            code="invalid_value",
+            param="limit",
         )
     return limit
 
@@ -430,7 +446,12 @@ def _cursor(items: list[Json], param: str, value: str | None) -> int | None:
     for at, item in enumerate(items):
         if item.get("id") == value:
             return at
-    raise HTTPError(400, f"{param}: no input item of this response has id {value!r}", param=param)
+    raise HTTPError(
+        400,
+        f"{param}: no input item of this response has id {value!r}",
+        code="invalid_value",
+        param=param,
+    )
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -443,7 +464,12 @@ async def list_input_items(request: Request, response_id: str) -> Response:
     query = request.query_params
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise HTTPError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order")
+        raise HTTPError(
+            400,
+            f"order must be 'asc' or 'desc', not {order!r}",
+            code="invalid_value",
+            param="order",
+        )
     limit = _list_limit(query.get("limit"))
     items = list(found.input_items)
     if order == "desc":

@@ -138,7 +138,9 @@ def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
             )
         # ReasoningItem: an earlier turn's reasoning is not part of the prompt.
     if not out:
-        raise HTTPError(400, "input has no message or function call item", param="input")
+        raise HTTPError(
+            400, "input has no message or function call item", code="invalid_value", param="input"
+        )
     return out
 
 
@@ -205,7 +207,12 @@ def tools(defs: Sequence[FunctionTool] | None) -> list[Tool] | None:
                 param=f"tools.{i}.type",
             )
         if not tool.name:
-            raise HTTPError(400, f"tools.{i}.name is required", param=f"tools.{i}.name")
+            raise HTTPError(
+                400,
+                f"tools.{i}.name is required",
+                code="invalid_type" if tool.name is None else "invalid_value",
+                param=f"tools.{i}.name",
+            )
         fn = FunctionDef(name=tool.name, description=tool.description, parameters=tool.parameters)
         out.append(Tool(function=fn))
     return out
@@ -228,7 +235,12 @@ def text_schema(config: TextConfig | None) -> dict[str, object] | None:
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.schema_ is None:
-        raise HTTPError(400, "text.format json_schema needs a schema", param="text.format.schema")
+        raise HTTPError(
+            400,
+            "text.format json_schema needs a schema",
+            code="invalid_value",
+            param="text.format.schema",
+        )
     return fmt.schema_
 
 
