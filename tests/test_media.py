@@ -4,10 +4,13 @@ file a MediaError naming its part, before anything reaches C."""
 from __future__ import annotations
 
 import io
+import os
 import struct
+import threading
 import wave
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -356,3 +359,43 @@ def test_data_uris_and_their_size_limit() -> None:
         decode_data_uri("data:image/png,hi", "p", LIMITS)
     with pytest.raises(MediaError, match="over 4 bytes"):
         decode_data_uri("data:;base64," + "aGVsbG8gd29ybGQ=", "p", MediaLimits(max_bytes=4))
+
+
+def test_a_path_is_read_only_up_to_the_limit_and_a_bad_one_is_a_media_error(
+    tmp_path: Path,
+) -> None:
+    """The Python API's image given by a path. Found by review: the file was read whole
+    (``read_bytes``) once its ``stat`` size passed, and a device or pipe has none:
+    ``/dev/zero`` was read until memory ran out. Now at most ``max_bytes`` + 1 bytes are read
+    (a pipe's writer is cut off past them), and a path holding a NUL, a ``ValueError`` out of
+    ``os.stat``, is a ``MediaError`` like every other unreadable path."""
+    limits = MediaLimits(max_bytes=1000)
+    fifo = tmp_path / "endless"
+    os.mkfifo(fifo)
+    cap = 1 << 20  # far past the limit and a pipe's buffer (64 KiB)
+    written = 0
+    failed: list[BaseException] = []
+
+    def feed() -> None:
+        nonlocal written
+        try:
+            with open(fifo, "wb", buffering=0) as out:
+                while written < cap:
+                    written += out.write(bytes(4096))
+        except BrokenPipeError:  # the reader stopped reading: what the limit wants
+            pass
+        except BaseException as exc:  # pragma: no cover - reported below
+            failed.append(exc)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        with pytest.raises(MediaError, match="is over 1000 bytes") as info:
+            load_media(str(fifo), "image", limits, "p")
+    finally:
+        writer.join()
+    assert not failed and written < cap, written
+    assert info.value.param == "p"
+    with pytest.raises(MediaError, match="cannot read") as info:
+        load_media("a\0b.png", "image", limits, "p")
+    assert info.value.param == "p"

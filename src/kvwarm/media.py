@@ -521,15 +521,21 @@ def load_media(
         data = decode_data_uri(value, where, limits)[1]
     elif isinstance(value, str | os.PathLike):
         path = Path(value)
+        over = MediaError(
+            f"{where}: {str(path)!r} is over {limits.max_bytes} bytes (media_max_bytes)",
+            param=where,
+        )
         try:
             if path.stat().st_size > limits.max_bytes:
-                raise MediaError(
-                    f"{where}: {str(path)!r} is over {limits.max_bytes} bytes (media_max_bytes)",
-                    param=where,
-                )
-            data = path.read_bytes()
-        except OSError as exc:
+                raise over
+            # At most one byte past the limit: a device or pipe has no stat size, and
+            # /dev/zero read whole never ended (found by review).
+            with path.open("rb") as file:
+                data = file.read(limits.max_bytes + 1)
+        except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL
             raise MediaError(f"{where}: cannot read {str(path)!r}: {exc}", param=where) from exc
+        if len(data) > limits.max_bytes:
+            raise over
     else:
         raise MediaError(
             f"{where} must be bytes, a path, a data: URI or a decoded kvwarm.media.{kind.title()}"

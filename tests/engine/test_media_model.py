@@ -19,7 +19,7 @@ from tests.engine.mediakit import poke
 from tests.tinymodels import PROJ_TOKENS, write_tiny_audio_projector, write_tiny_projector
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import ContextParams, ProjectorParams
+from kvwarm.backends.base import ContextParams, MediaSpan, ProjectorParams
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import InvalidRequestError, MediaError, ModelLoadError
@@ -175,3 +175,44 @@ def test_audio_mtmd_cannot_take_is_a_media_error_never_an_abort(
         model.chat(clip, options=replace(GREEDY, max_tokens=1))
     assert model.status().active == 0
     assert model.complete("Hello", options=replace(GREEDY, max_tokens=1)).stats.prompt_tokens
+
+
+def test_a_clip_of_many_windows_is_tokenized_once_for_all_its_spans(tmp_path: Path) -> None:
+    """mtmd splits a clip into 30 s windows, a span each, encoded one at a time. Found by
+    review: each span's encode tokenized the whole clip again (its mel spectrogram, all
+    windows), so a clip of N windows was preprocessed N times, quadratic in its length (a
+    300 s clip: 11 encodes of 1.4 s each on the tiny projector, nearly all of it the whole
+    clip's spectrogram). The tokenized clip is now held across its spans' encodes, and the
+    embeddings are those a fresh tokenization gives."""
+    proj = write_tiny_audio_projector(tmp_path / "mmproj-audio.gguf", 576)
+    bmodel = get_backend("llama_cpp").load_model(str(ref.model_path("smollm2")))
+    try:
+        projector = bmodel.load_projector(str(proj), ProjectorParams(1, False))
+        try:
+            rng = np.random.default_rng(5)
+            clip = Audio(rng.uniform(-0.5, 0.5, 61 * 16000).astype("<f4").tobytes(), 16000)
+            other = Audio(rng.uniform(-0.5, 0.5, 16000).astype("<f4").tobytes(), 16000)
+            n_spans = sum(isinstance(p, MediaSpan) for p in projector.layout(clip))
+            assert n_spans == 3
+            mt = projector._mt  # type: ignore[attr-defined]
+            calls: list[int] = []
+
+            class Counting:
+                def __getattr__(self, name: str) -> object:
+                    return getattr(mt, name)
+
+                def mtmd_tokenize(self, *args: object) -> object:
+                    calls.append(1)
+                    return mt.mtmd_tokenize(*args)
+
+            projector._mt = Counting()  # type: ignore[attr-defined]
+            embeddings = [projector.encode(clip, i) for i in range(n_spans)]
+            assert len(calls) == 1
+            projector.encode(other, 0)  # another medium: tokenized anew
+            assert len(calls) == 2
+            again = projector.encode(clip, 1)
+            assert len(calls) == 3 and again == embeddings[1]
+        finally:
+            projector.close()
+    finally:
+        bmodel.close()

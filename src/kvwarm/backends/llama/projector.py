@@ -12,6 +12,8 @@ Invariants:
   (M-RoPE), embeddings wider than the model's input. A chunk from the encoder is checked
   against the layout the prompt was built from before its embeddings are read.
 - ``encode`` runs one at a time (a lock): mtmd's encoder keeps its output in the context.
+  A medium is tokenized (preprocessed) once for all its spans' encodes, held until its last
+  span's, another medium's encode, or ``close``.
   ``layout`` tokenizes a placeholder (no pixels, nothing encoded) and is safe from any thread.
 - The projector holds its model open (``lifetime``) until ``mtmd_free`` has run, once; the
   log callback mtmd calls is referenced for the life of the process (``native``).
@@ -79,6 +81,8 @@ class LlamaProjector:
         self._mt = mt
         self._model = model
         self._lock = threading.Lock()
+        # (digest, chunks, bitmap, span chunks) of the medium being encoded (_spans_of).
+        self._held: tuple[bytes, object, object, list[object]] | None = None
         cp = mt.mtmd_context_params_default()
         cp.use_gpu = bool(params.use_gpu)
         cp.n_threads = params.n_threads or _native.default_threads()
@@ -205,11 +209,11 @@ class LlamaProjector:
     def encode(self, media: Media, index: int) -> bytes:
         with self._life.using(), self._lock:
             mt = self._mt
-            with self._chunks(media, placeholder=False) as chunks:
-                spans = [(c, k) for c, k, _ in chunks if k != _TEXT]
-                if not 0 <= index < len(spans):
-                    raise BackendError(f"the {media.kind} has no span {index}")
-                chunk, _ = spans[index]
+            spans = self._spans_of(media)
+            if not 0 <= index < len(spans):
+                raise BackendError(f"the {media.kind} has no span {index}")
+            chunk = spans[index]
+            try:
                 n = int(mt.mtmd_input_chunk_get_n_tokens(chunk))
                 rc = int(mt.mtmd_encode_chunk(self._ptr, chunk))
                 if rc != 0:
@@ -219,6 +223,11 @@ class LlamaProjector:
                     raise BackendError("the projector returned no embeddings")
                 width = self._facts.n_embd
                 embd = np.ctypeslib.as_array(ptr, shape=(n * width,)).astype("<f4")
+            except BaseException:
+                self._drop_held()
+                raise
+            if index == len(spans) - 1:  # its last span: nothing left to hold it for
+                self._drop_held()
         if not np.isfinite(embd).all():
             # Finite input can still overflow (float samples of 1e30 do): NaN embeddings
             # would give NaN logits, and a reply of nothing real.
@@ -229,11 +238,46 @@ class LlamaProjector:
             )
         return embd.tobytes()
 
+    def _spans_of(self, media: Media) -> list[object]:
+        """mtmd's chunks of ``media``'s spans, tokenized once and held (``_held``, under
+        ``_lock``) across the encodes of its spans, until the last one's or another
+        medium's. Found by review: each span's encode tokenized the whole medium again
+        (a clip's mel spectrogram, every 30 s window of it), so a clip of N windows was
+        preprocessed N times, quadratic in its length."""
+        held = self._held
+        if held is not None and held[0] == media.digest:
+            return held[3]
+        self._drop_held()
+        chunks, bitmap, out = self._tokenize(media, placeholder=False)
+        spans = [chunk for chunk, kind, _ in out if kind != _TEXT]
+        self._held = (media.digest, chunks, bitmap, spans)
+        return spans
+
+    def _drop_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._release(held[1], held[2])
+
     @contextmanager
     def _chunks(
         self, media: Media, *, placeholder: bool
     ) -> Iterator[list[tuple[object, int, tuple[int, ...]]]]:
         """mtmd's chunks for ``media`` alone: (chunk, type, text tokens); freed on exit."""
+        chunks, bitmap, out = self._tokenize(media, placeholder=placeholder)
+        try:
+            yield out
+        finally:
+            self._release(chunks, bitmap)
+
+    def _release(self, chunks: object, bitmap: object) -> None:
+        self._mt.mtmd_input_chunks_free(chunks)
+        self._mt.mtmd_bitmap_free(bitmap)
+
+    def _tokenize(
+        self, media: Media, *, placeholder: bool
+    ) -> tuple[object, object, list[tuple[object, int, tuple[int, ...]]]]:
+        """(mtmd's chunk list, its bitmap, and per chunk: (chunk, type, text tokens)) for
+        ``media`` alone; the caller frees the first two (``_release``)."""
         mt = self._mt
         data: Any = None
         if isinstance(media, Image):
@@ -281,10 +325,10 @@ class LlamaProjector:
                 elif kind not in _KINDS:
                     raise BackendError(f"mtmd returned a chunk of unknown type {kind}")
                 out.append((chunk, kind, tokens))
-            yield out
-        finally:
-            mt.mtmd_input_chunks_free(chunks)
-            mt.mtmd_bitmap_free(bitmap)
+        except BaseException:
+            self._release(chunks, bitmap)
+            raise
+        return chunks, bitmap, out
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -292,6 +336,7 @@ class LlamaProjector:
         self._life.close()
 
     def _free(self) -> None:
+        self._drop_held()
         self._mt.mtmd_free(self._ptr)
         self._ptr = None
         self._model.lifetime.release()
