@@ -23,8 +23,9 @@ GIB = 1 << 30
 CELL_BYTES = 30 * 3 * 64 * 2 * 2
 
 
-def test_models_report_weights_and_kv_bytes_and_size_the_ram_tier() -> None:
-    settings = Settings(
+def _smol_under_a_budget(**overrides: object) -> Settings:
+    """SmolLM2 alone, one slot, under a 1 GiB memory budget."""
+    return Settings(
         models=(ModelSpec(path=str(default_model_path()), id="smol"),),
         cache_dir=None,
         n_ctx=512,
@@ -35,7 +36,11 @@ def test_models_report_weights_and_kv_bytes_and_size_the_ram_tier() -> None:
         keepalive_interval_s=0,
         memory_budget=GIB,
         allowed_hosts=("testserver",),
-    )
+    ).replace(**overrides)
+
+
+def test_models_report_weights_and_kv_bytes_and_size_the_ram_tier() -> None:
+    settings = _smol_under_a_budget(n_ctx=512)
     with TestClient(create_app(settings)) as c:
         wait_ready(c.get)
         (model,) = c.get("/v1/models").json()["data"]
@@ -56,19 +61,7 @@ def test_a_lora_adapter_counts_with_its_models_weights(tmp_path: Path) -> None:
     lora = make_lora(default_model_path(), tmp_path / "tiny.gguf", rank=32)
     tensors = gguf.GGUFReader(str(lora)).tensors
     adapter = sum(int(t.n_bytes) for t in tensors if t.name.endswith((".lora_a", ".lora_b")))
-    settings = Settings(
-        models=(ModelSpec(path=str(default_model_path()), id="smol"),),
-        cache_dir=None,
-        n_ctx=256,
-        n_batch=64,
-        n_parallel=1,
-        n_threads=2,
-        policy=LOW_POLICY,
-        keepalive_interval_s=0,
-        memory_budget=GIB,
-        lora=(("tiny", str(lora)),),
-        allowed_hosts=("testserver",),
-    )
+    settings = _smol_under_a_budget(n_ctx=256, lora=(("tiny", str(lora)),))
     with TestClient(create_app(settings)) as c:
         wait_ready(c.get)
         meta = {m["id"]: m for m in c.get("/v1/models").json()["data"]}["smol"]["meta"]

@@ -41,9 +41,11 @@ from kvwarm.server.schemas import (
     parse_body,
     read_json,
 )
+from kvwarm.server.served import ServedModel
 from kvwarm.server.state import server_state
 from kvwarm.server.tool_stream import ContentJoin, ToolStream, call_delta
 from kvwarm.server.tools import ChatPlan, Part, ToolCall
+from kvwarm.settings import Settings
 
 router = APIRouter()
 
@@ -102,14 +104,7 @@ async def chat_completions(request: Request) -> Response:
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
     schema = convert.response_schema(req.response_format)
-    plan = await chat.plan(
-        model,
-        req.messages,
-        req.tools,
-        req.tool_choice,
-        parallel=req.parallel_tool_calls,
-        settings=state.settings,
-    )
+    plan = await _plan(model, req, state.settings)
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(
             400,
@@ -174,16 +169,21 @@ async def apply_template(request: Request) -> Response:
     check_count(raw, "messages", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(raw, ChatRequest)
     model = await state.acquire(req.model)
-    plan = await chat.plan(
+    plan = await _plan(model, req, state.settings)
+    _, text = await run_in_threadpool(model.chat_tokens, plan.messages, tools=plan.tools)
+    return JSONResponse({"prompt": text})
+
+
+async def _plan(model: ServedModel, req: ChatRequest, settings: Settings) -> ChatPlan:
+    """The chat's messages and tools as the model is sent them (``server/chat.py``)."""
+    return await chat.plan(
         model,
         req.messages,
         req.tools,
         req.tool_choice,
         parallel=req.parallel_tool_calls,
-        settings=state.settings,
+        settings=settings,
     )
-    _, text = await run_in_threadpool(model.chat_tokens, plan.messages, tools=plan.tools)
-    return JSONResponse({"prompt": text})
 
 
 async def _events(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -43,7 +43,7 @@ from kvwarm.server.schemas import (
     parse_body,
     read_json,
 )
-from kvwarm.server.state import server_state
+from kvwarm.server.state import ServerState, server_state
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel
@@ -51,6 +51,17 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 Prompt = str | list[int]
+_Req = TypeVar("_Req", CompletionRequest, LlamaCompletionRequest)
+
+
+async def _read_prompts(request: Request, state: ServerState, schema: type[_Req]) -> _Req:
+    """A completion request's body: its prompts counted against ``max_completion_prompts``
+    before it is parsed, its sampling checked."""
+    body = await read_json(request, state.settings)
+    check_count(body, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
+    req = parse_body(body, schema)
+    check_sampling(req)
+    return req
 
 
 def _prompts(
@@ -141,10 +152,7 @@ def _special_texts(
 )
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    body = await read_json(request, state.settings)
-    check_count(body, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
-    req = parse_body(body, CompletionRequest)
-    check_sampling(req)
+    req = await _read_prompts(request, state, CompletionRequest)
     _check_best_of(req)
     model, lora = await state.acquire_generation(
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
@@ -650,10 +658,7 @@ async def llama_completion(request: Request) -> Response:
     each, answered in its shape: one body, or a list of them (choice ``j`` of prompt ``i`` has
     index ``i * n + j``); streamed as ``data:`` chunks without ``[DONE]``."""
     state = server_state(request)
-    raw = await read_json(request, state.settings)
-    check_count(raw, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
-    req = parse_body(raw, LlamaCompletionRequest)
-    check_sampling(req)
+    req = await _read_prompts(request, state, LlamaCompletionRequest)
     refuse_unsupported(req)
     prompts = _prompts(req.prompt)
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
