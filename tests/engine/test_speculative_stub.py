@@ -993,3 +993,44 @@ def test_a_prediction_is_indexed_only_where_its_request_drafts_from_rows(
     assert made == []
     model.complete(prompt, opts, prediction="The harbour", spec_type="ngram-simple")
     assert len(made) == 1
+
+
+def test_a_draft_model_loads_beside_a_model_of_a_supplied_fingerprint(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """``fingerprint_mode = "fast_unsafe"`` supplies the model's fingerprint, never its draft
+    model's: the draft model's namespace asked for one all the same, and every such model
+    with a ``draft_model`` failed to load (found by review: ``ConfigError`` "needs a 32-byte
+    fingerprint"). Its file is now hashed whole, as a projector's is; in the other modes its
+    fingerprint is what it was (its rows keep their keys)."""
+    import gguf
+
+    from kvwarm.engine.fingerprint import FingerprintMode, fingerprint
+
+    draft_file = tmp_path / "draft.gguf"  # a GGUF of metadata only: the stub reads none of it
+    writer = gguf.GGUFWriter(str(draft_file), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = replace(
+        spec_config(),
+        draft_model=str(draft_file),
+        fingerprint_mode="fast_unsafe",
+        fingerprint=b"\x01" * 32,
+    )
+    model = engine.load_model(config=config)
+    draft = model._draft
+    assert draft is not None
+    assert draft.namespace.fingerprint == fingerprint(draft_file, FingerprintMode.SAFE)
+    plain, spec = both(model, PROMPT, GREEDY, spec_type="draft-simple")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 0
+    engine.unload_model(model.id)
+    for mode in (FingerprintMode.SAFE, FingerprintMode.GGUF_CHUNKED):
+        kept = engine.load_model(
+            config=replace(spec_config(), draft_model=str(draft_file), fingerprint_mode=mode.name)
+        )
+        assert kept._draft is not None
+        assert kept._draft.namespace.fingerprint == fingerprint(draft_file, mode)
+        engine.unload_model(kept.id)

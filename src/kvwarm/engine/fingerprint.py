@@ -52,14 +52,21 @@ def model_fingerprint(
 
 def with_projector(model_fp: bytes, path: Path, mode: FingerprintMode) -> bytes:
     """``model_fp`` with the multimodal projector at ``path`` folded in: an image's KV depends
-    on the projector that encoded it. Hashed as the model is, but for ``fast_unsafe`` (which
-    supplies the model's fingerprint only): the projector is then hashed whole."""
-    if not path.is_file():  # a backend that needs no file (the stub): its path names it
-        proj = hashlib.sha256(b"stub:" + str(path).encode()).digest()
-    else:
-        chunked = mode is FingerprintMode.GGUF_CHUNKED
-        proj = fingerprint(path, FingerprintMode.GGUF_CHUNKED if chunked else FingerprintMode.SAFE)
+    on the projector that encoded it (``companion_fingerprint``)."""
+    proj = companion_fingerprint(path, mode)
     return hashlib.sha256(b"kvwarm-mmproj\0" + model_fp + proj).digest()
+
+
+def companion_fingerprint(path: Path, mode: FingerprintMode) -> bytes:
+    """The fingerprint of a file loaded beside a model (its projector, its draft model):
+    hashed as the model is, but for ``fast_unsafe``, which supplies the model's fingerprint
+    only: the file is then hashed whole (found by review: a draft model asked for a supplied
+    fingerprint, so no model of that mode could load one). A backend that needs no file (the
+    stub): its path names it."""
+    if not path.is_file():
+        return hashlib.sha256(b"stub:" + str(path).encode()).digest()
+    chunked = mode is FingerprintMode.GGUF_CHUNKED
+    return fingerprint(path, FingerprintMode.GGUF_CHUNKED if chunked else FingerprintMode.SAFE)
 
 
 def fingerprint(

@@ -54,7 +54,12 @@ from kvwarm.engine.describe import (
     warn_if_past_training,
 )
 from kvwarm.engine.embeddings import Embedder
-from kvwarm.engine.fingerprint import model_fingerprint, parse_mode, with_projector
+from kvwarm.engine.fingerprint import (
+    companion_fingerprint,
+    model_fingerprint,
+    parse_mode,
+    with_projector,
+)
 from kvwarm.engine.ops import Message
 from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.prompts import (
@@ -298,7 +303,7 @@ class Model:
                         f"draft model {path}: its {ctx.memory.describe()} memory cannot roll "
                         "a rejected draft back"
                     )
-                fingerprint = model_fingerprint(path, self.fingerprint_mode, None)
+                fingerprint = companion_fingerprint(path, self.fingerprint_mode)
                 # Its own namespace even where the draft model is the model itself: the draft
                 # context's rows are whole blobs of its prompts, never mixed with the model's.
                 kv_hash = ran.kv_hash(kv_tag)
