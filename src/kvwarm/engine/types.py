@@ -635,6 +635,14 @@ class ModelStatus:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_passes: int = 0
+    #: The cache's upkeep (``Model.prewarm``: keep-alive's re-warms, ``/cache/prewarm``,
+    #: ``--prewarm-system``), none of it in the counts above: prewarms ended, their prompt
+    #: tokens, of them reused and run through the model, and their prefill time.
+    prewarms: int = 0
+    prewarm_prompt_tokens: int = 0
+    prewarm_cached_tokens: int = 0
+    prewarm_prefilled_tokens: int = 0
+    prewarm_ms: float = 0.0
 
     @property
     def free_slots(self) -> int:

@@ -69,8 +69,23 @@ class WorkerStats:
     accepted_tokens: int = 0  # ... and accepted by the model
     verify_passes: int = 0  # slots' passes that verified a draft
     hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "partial": 0, "cold": 0})
+    #: The cache's upkeep (``Request.upkeep``: ``Model.prewarm``), apart from the requests
+    #: above: prewarms ended, their prompt tokens, those reused and those run through the
+    #: model, and their prefill time.
+    prewarms: int = 0
+    prewarm_prompt_tokens: int = 0
+    prewarm_cached_tokens: int = 0
+    prewarm_prefilled_tokens: int = 0
+    prewarm_ms: float = 0.0
 
-    def account(self, st: CompletionStats) -> None:
+    def account(self, st: CompletionStats, *, upkeep: bool = False) -> None:
+        """Count one request that ended (``upkeep``: a prewarm, counted apart)."""
+        if upkeep:
+            self.prewarms += 1
+            self.prewarm_prompt_tokens += st.prompt_tokens
+            self.prewarm_cached_tokens += st.cached_tokens
+            self.prewarm_ms += st.prefill_ms
+            return
         self.requests += 1
         self.prompt_tokens += st.prompt_tokens
         self.cached_tokens += st.cached_tokens

@@ -14,7 +14,8 @@ const ROW_LIMIT = 200;
 /**
  * Hit rate from the cache's request outcomes (each request counts one): requests that reused
  * KV, a row's or a slot's live KV, over all those served (hits and misses; a request that
- * failed before it was seated, `admission_failures`, was not served and is in neither).
+ * failed before it was seated, `admission_failures`, was not served and is in neither; a
+ * prewarm or keep-alive re-warm is the server's upkeep and counts no outcome).
  */
 export function lookupHitRate(counters) {
   const hits =
