@@ -112,3 +112,22 @@ def test_prewarms_and_keep_alive_re_warms_are_not_client_requests(client: TestCl
     assert model_series(third, "kvwarm_cached_tokens_total") > 0
     assert sum(cache_series(third, h) for h in HITS[:4]) == 1
     assert model_series(third, "kvwarm_prewarms_total") == 2
+
+
+def test_n_choices_count_their_one_prefill_s_time_once(client: TestClient) -> None:
+    before = scrape(client)
+    body = {"model": "a", "prompt": PROMPT * 2, "max_tokens": 2, "temperature": 0.7, "n": 3}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    # The response's timings are its first choice's: the one prefill the group ran.
+    prompt_ms = response.json()["timings"]["prompt_ms"]
+    assert prompt_ms > 0
+    after = scrape(client)
+    assert model_series(after, "kvwarm_requests_total") == 3  # three generations finished
+    spent_ms = 1e3 * (
+        model_series(after, "kvwarm_prefill_seconds_total")
+        - model_series(before, "kvwarm_prefill_seconds_total")
+    )
+    assert spent_ms == pytest.approx(prompt_ms, abs=0.01)
+    prompt = response.json()["usage"]["prompt_tokens"]
+    assert model_series(after, "kvwarm_prefilled_tokens_total") == prompt

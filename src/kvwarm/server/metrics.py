@@ -205,7 +205,13 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         "verify_passes",
         1,
     ),
-    ("kvwarm_prefill_seconds_total", "counter", "time spent in prefill", "prefill_ms", 1e-3),
+    (
+        "kvwarm_prefill_seconds_total",
+        "counter",
+        "time spent in prefill, once per prefill run (n > 1 choices share one)",
+        "prefill_ms",
+        1e-3,
+    ),
     ("kvwarm_decode_seconds_total", "counter", "time spent generating", "generation_ms", 1e-3),
     # The cache's upkeep (Model.prewarm: keep-alive's re-warms, /cache/prewarm,
     # --prewarm-system), in none of the request counters above.

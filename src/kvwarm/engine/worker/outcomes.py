@@ -74,7 +74,7 @@ class Outcomes:
             decode_steps=max(0, act.sampled - 1),
             decode_ms=(act.last_sampled - act.first_sampled) * 1e3,
         )
-        self.rt.stats.account(stats, upkeep=act.req.upkeep)
+        self.rt.stats.account(stats, upkeep=act.req.upkeep, fork=act.fork)
         completion = Completion(
             text=act.assembler.text,
             prompt_tokens=act.req.prompt_tokens,
