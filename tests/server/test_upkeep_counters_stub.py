@@ -7,15 +7,18 @@ ended, in ``kvwarm_requests_total`` as in ``kvwarm_generations_total``."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwarm.engine.request import Request
+from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.server import create_app
 
-from .conftest import server_state, stub_settings, wait_ready
+from .conftest import background_ended, server_state, stub_settings, wait_ready
 
 ADMIN = {"Authorization": "Bearer admin"}
 PROMPT = "The keeper of the lighthouse wrote down every ship that passed the point. " * 3
@@ -131,3 +134,49 @@ def test_n_choices_count_their_one_prefill_s_time_once(client: TestClient) -> No
     assert spent_ms == pytest.approx(prompt_ms, abs=0.01)
     prompt = response.json()["usage"]["prompt_tokens"]
     assert model_series(after, "kvwarm_prefilled_tokens_total") == prompt
+
+
+def test_a_request_cancelled_while_queued_counts_as_a_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One slot; the first background response held in its admission, the second queued
+    behind it and cancelled there: both are generations that ended, one ``cancelled``."""
+    entered, release = threading.Event(), threading.Event()
+    real = Admission.restore
+
+    def held(admission: Admission, planned: Planned, req: Request) -> Restored:
+        entered.set()
+        assert release.wait(60)
+        return real(admission, planned, req)
+
+    monkeypatch.setattr(Admission, "restore", held)
+    body = {
+        "model": "a",
+        "input": "Tell me about the quick brown fox, please.",
+        "max_output_tokens": 2,
+        "temperature": 0,
+        "background": True,
+    }
+    with TestClient(create_app(stub_settings(admin_key="admin", n_parallel=1))) as client:
+        wait_ready(client.get)
+        try:
+            first = client.post("/v1/responses", json=body)
+            assert first.status_code == 200, first.text
+            assert entered.wait(10)  # the worker admits it: the next one stays queued
+            second = client.post("/v1/responses", json=body)
+            assert second.status_code == 200, second.text
+            sid = second.json()["id"]
+            cancelled = client.post(f"/v1/responses/{sid}/cancel")
+            assert cancelled.json()["status"] == "cancelled", cancelled.text
+        finally:
+            release.set()
+        background_ended(client, first.json()["id"])
+        background_ended(client, sid)
+        series = scrape(client)
+    finished = {
+        labels: value
+        for (name, labels), value in series.items()
+        if name == "kvwarm_generations_total" and ("model", "a") in labels
+    }
+    assert finished[(("model", "a"), ("reason", "cancelled"))] == 1
+    assert model_series(series, "kvwarm_requests_total") == sum(finished.values()) == 2

@@ -167,7 +167,14 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         "kv_cache_usage",
         1,
     ),
-    ("kvwarm_requests_total", "counter", "generations finished", "requests", 1),
+    (
+        "kvwarm_requests_total",
+        "counter",
+        "requests ended, by any finish reason (cancelled ones too, queued or running); "
+        "not prewarms, nor requests that failed",
+        "requests",
+        1,
+    ),
     ("kvwarm_prompt_tokens_total", "counter", "prompt tokens", "prompt_tokens", 1),
     (
         "kvwarm_cached_tokens_total",

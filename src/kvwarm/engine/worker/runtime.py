@@ -9,6 +9,7 @@ the cache port and outcomes each hold the same ``Runtime`` and never a copy of a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class WorkerStats:
     prewarm_cached_tokens: int = 0
     prewarm_prefilled_tokens: int = 0
     prewarm_ms: float = 0.0
+    #: ``account`` runs on the worker's thread, and on a caller's for a request it cancels
+    #: while still queued (``Worker.cancel``): its sums are taken under this lock.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def account(self, st: CompletionStats, *, upkeep: bool = False, fork: bool = False) -> None:
         """Count one request that ended (``upkeep``: a prewarm, counted apart). ``prefill_ms``
@@ -84,6 +88,10 @@ class WorkerStats:
         wait for its first choice's, adds nothing (found by review: one prefill counted n
         times, and the dashboard's time saved, cached x prefill_ms / prefilled, n times too
         high)."""
+        with self._lock:
+            self._account(st, upkeep=upkeep, fork=fork)
+
+    def _account(self, st: CompletionStats, *, upkeep: bool, fork: bool) -> None:
         if upkeep:
             self.prewarms += 1
             self.prewarm_prompt_tokens += st.prompt_tokens
