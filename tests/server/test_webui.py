@@ -290,3 +290,36 @@ def test_the_dashboard_hit_rate_is_the_request_outcomes_of_cache_stats(
         for k in REQUEST_OUTCOMES
     ]
     assert out["bumped"] == pytest.approx(expected)
+
+
+def test_the_dashboard_time_saved_uses_the_tokens_the_model_prefilled(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """``dashboard.js``'s prefill time saved (run in Node) over a live ``/cache/stats``
+    body: cached tokens times the prefill time per token the model actually prefilled
+    (``prefilled_tokens``). It divided by ``prompt_tokens - cached_tokens``, which also
+    holds prompts never prefilled (a request cancelled while queued, or mid-prefill), so each
+    such request lowered the time saved although no prefill time was spent on it."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on the PATH to run the page's modules")
+    body = {"model": "a", "prompt": "Time saved counts the prefills run. " * 4, "max_tokens": 2}
+    for _ in range(2):  # a cold prefill, then its reuse
+        assert client.post("/v1/completions", json=body).status_code == 200
+    totals = client.get("/cache/stats").json()["model_totals"]["a"]
+    assert totals["cached_tokens"] > 0 and totals["prefilled_tokens"] > 0
+    # A request cancelled while still queued: its prompt counted, none of it prefilled.
+    cancelled = {**totals, "prompt_tokens": totals["prompt_tokens"] + 500}
+    script = tmp_path / "saved.mjs"
+    module = json.dumps((STATIC / "dashboard.js").as_uri())
+    script.write_text(
+        f"import {{ savings }} from {module};\n"
+        f"const m = {json.dumps(totals)};\n"
+        f"const c = {json.dumps(cancelled)};\n"
+        "console.log(JSON.stringify([savings([m]).savedMs, savings([c]).savedMs]));\n"
+    )
+    run = subprocess.run([node, str(script)], capture_output=True, check=True, text=True)
+    saved, with_cancelled = json.loads(run.stdout)
+    per_token = totals["prefill_ms"] / totals["prefilled_tokens"]
+    assert saved == pytest.approx(totals["cached_tokens"] * per_token)
+    assert with_cancelled == pytest.approx(saved)

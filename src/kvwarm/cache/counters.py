@@ -8,11 +8,12 @@ Names in the snapshot:
 
 - plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``hits_live``,
   ``misses``, ``admission_failures`` (``REQUEST_OUTCOMES``: each request a worker admits
-  counts exactly one of them. Once it is seated, for what served its prompt's prefix once it
-  was in the slot: a row restored, holding all of the prompt (``hits_exact``) or part of it
-  (``hits_longest_prefix``), or for a request that named its previous turn (``parent_key``:
-  ``hits_resume``); a slot's live KV kept or copied, nothing read from the cache
-  (``hits_live``); nothing (``misses``, a refused or failed restore included). A request that
+  counts exactly one of them; a prewarm, the cache's upkeep, serves no request and counts
+  none: ``engine.request.Request.upkeep``. Once it is seated, for what served its prompt's
+  prefix once it was in the slot: a row restored, holding all of the prompt (``hits_exact``)
+  or part of it (``hits_longest_prefix``), or for a request that named its previous turn
+  (``parent_key``: ``hits_resume``); a slot's live KV kept or copied, nothing read from the
+  cache (``hits_live``); nothing (``misses``, a refused or failed restore included). A request that
   failed before it was seated (its answer an error) counts ``admission_failures``: neither a
   hit nor a miss, since it was never served. Lookups, probes, reads of a row's metadata and
   waits for a save count none),

@@ -734,7 +734,9 @@ class Model:
     ) -> CompletionStats:
         """Prefill ``prompt`` and save it (with its final logits), generating nothing. With a
         ``cache_salt`` the row serves only requests with the same salt. ``EngineClosedError``
-        if the model is unloaded before it is done."""
+        if the model is unloaded before it is done. The cache's upkeep, not a request: it
+        counts in ``status()``'s ``prewarms`` (and ``prewarm_*``), never in its ``requests``,
+        their tokens and prefill time, nor in the cache's hits and misses."""
         self._check_ready()
         self._require("generate")
         if not isinstance(ttl_class, TtlClass):
@@ -766,7 +768,9 @@ class Model:
                 f"({self.policy.min_tokens}) long",
                 param="prompt",
             )
-        stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
+        stream = self._submit(
+            ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False, upkeep=True
+        )
         stats = stream.result().stats
         if stats.finish_reason == "cancelled":
             # Only an unload cancels a prewarm (its stream is this call's). Found by review:
@@ -980,10 +984,13 @@ class Model:
         ttl: TtlClass = TtlClass.SHORT,
         *,
         fragments: bool = True,
+        upkeep: bool = False,
     ) -> CompletionStream:
         self._check_ready()
         self._require("generate")
-        stream = self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
+        stream = self._submitter.one(
+            prompt, opts, text, kind, ttl, fragments=fragments, upkeep=upkeep
+        )
         return stream.keep(self)
 
     # ---- embeddings ---------------------------------------------------------------------

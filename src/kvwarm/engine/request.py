@@ -90,6 +90,12 @@ class Request:
     #: Whether it counts against the queue's ``max_queue``: a rerank's documents ride on the
     #: rerank's first request, so one rerank is one queued request however many it scores.
     counted: bool = True
+    #: The cache's upkeep, not a request served: ``Model.prewarm`` (keep-alive's re-warms,
+    #: ``/cache/prewarm``, ``--prewarm-system``, a library's own). Counted as the model's
+    #: prewarms (``ModelStatus.prewarms``), never in its requests, their tokens and prefill
+    #: time, nor in the cache's request outcomes (hits, misses). A rerank's shared prefix is
+    #: a prewarm by kind but part of the client's rerank, so not upkeep.
+    upkeep: bool = False
     #: The tokens whose text its reply keeps although they are special
     #: (``GenerationOptions.preserved_tokens``, resolved by ``engine/submit.py``).
     preserved: frozenset[int] = frozenset()

@@ -85,8 +85,10 @@ class Submitter:
         *,
         fragments: bool = True,
         forks: Sequence[GenerationOptions] = (),
+        upkeep: bool = False,
     ) -> CompletionStream:
-        """Queue one request (with ``forks``: the options of its other choices)."""
+        """Queue one request (with ``forks``: the options of its other choices; ``upkeep``:
+        ``Request.upkeep``)."""
         prompt = given.prompt
         check_length(prompt.tokens, self.config.context.n_ctx)
         self.check_lora(opts.lora)
@@ -162,6 +164,7 @@ class Submitter:
                 media=given.media,
                 preserved=preserved,
                 predicted=predicted,
+                upkeep=upkeep,
             )
 
         req = request(opts, tuple(request(f) for f in forks))

@@ -408,6 +408,9 @@ class CompletionStats:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens restored from the cache or a slot's live KV
     completion_tokens: int
+    #: From its admission to its prompt's KV complete: its caller's time to the first token
+    #: less the queue. A fork's (``n > 1``) is its wait for the first choice's prefill, which
+    #: the model's prefill time (``ModelStatus.prefill_ms``) counts once, not per choice.
     prefill_ms: float
     generation_ms: float
     queue_ms: float
@@ -624,6 +627,8 @@ class ModelStatus:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    #: The prefills run, once each: an ``n > 1`` request's forks add none (their
+    #: ``CompletionStats.prefill_ms`` is their wait for the first choice's).
     prefill_ms: float
     generation_ms: float
     kv_cells_used: int = 0  # context cells the slots hold (an external router's load signal)
@@ -635,6 +640,14 @@ class ModelStatus:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_passes: int = 0
+    #: The cache's upkeep (``Model.prewarm``: keep-alive's re-warms, ``/cache/prewarm``,
+    #: ``--prewarm-system``), none of it in the counts above: prewarms ended, their prompt
+    #: tokens, of them reused and run through the model, and their prefill time.
+    prewarms: int = 0
+    prewarm_prompt_tokens: int = 0
+    prewarm_cached_tokens: int = 0
+    prewarm_prefilled_tokens: int = 0
+    prewarm_ms: float = 0.0
 
     @property
     def free_slots(self) -> int:

@@ -167,7 +167,14 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         "kv_cache_usage",
         1,
     ),
-    ("kvwarm_requests_total", "counter", "generations finished", "requests", 1),
+    (
+        "kvwarm_requests_total",
+        "counter",
+        "requests ended, by any finish reason (cancelled ones too, queued or running); "
+        "not prewarms, nor requests that failed",
+        "requests",
+        1,
+    ),
     ("kvwarm_prompt_tokens_total", "counter", "prompt tokens", "prompt_tokens", 1),
     (
         "kvwarm_cached_tokens_total",
@@ -205,8 +212,51 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         "verify_passes",
         1,
     ),
-    ("kvwarm_prefill_seconds_total", "counter", "time spent in prefill", "prefill_ms", 1e-3),
+    (
+        "kvwarm_prefill_seconds_total",
+        "counter",
+        "time spent in prefill, once per prefill run (n > 1 choices share one)",
+        "prefill_ms",
+        1e-3,
+    ),
     ("kvwarm_decode_seconds_total", "counter", "time spent generating", "generation_ms", 1e-3),
+    # The cache's upkeep (Model.prewarm: keep-alive's re-warms, /cache/prewarm,
+    # --prewarm-system), in none of the request counters above.
+    (
+        "kvwarm_prewarms_total",
+        "counter",
+        "prewarms ended (keep-alive re-warms, /cache/prewarm, --prewarm-system): not requests",
+        "prewarms",
+        1,
+    ),
+    (
+        "kvwarm_prewarm_prompt_tokens_total",
+        "counter",
+        "prewarms' prompt tokens",
+        "prewarm_prompt_tokens",
+        1,
+    ),
+    (
+        "kvwarm_prewarm_cached_tokens_total",
+        "counter",
+        "prewarms' prompt tokens reused (restored from the cache or kept in a slot's live KV)",
+        "prewarm_cached_tokens",
+        1,
+    ),
+    (
+        "kvwarm_prewarm_prefilled_tokens_total",
+        "counter",
+        "prewarms' prompt tokens run through the model",
+        "prewarm_prefilled_tokens",
+        1,
+    ),
+    (
+        "kvwarm_prewarm_seconds_total",
+        "counter",
+        "time prewarms spent in prefill",
+        "prewarm_ms",
+        1e-3,
+    ),
 )
 
 

@@ -111,7 +111,8 @@ class Admission:
                 self.rt.reset_seq(planned.slot)
                 raise
         except Exception as exc:
-            self.port.admission_failed()
+            if not req.upkeep:  # a prewarm is no request served: no outcome of one
+                self.port.admission_failed()
             self._failed(req, exc)
             return
         try:
@@ -290,10 +291,13 @@ class Admission:
         else:
             hit = "partial"
         # The request's one outcome, for what served it (the lookup counted nothing); first,
-        # so a failure below is not counted again as an admission failure (``admit``).
-        self.port.counted(
-            plan.kind, keep, whole=hit == "exact", resumed=req.options.parent_key is not None
-        )
+        # so a failure below is not counted again as an admission failure (``admit``). A
+        # prewarm (``Request.upkeep``) serves no request: it counts none (found by review:
+        # keep-alive's re-warms counted hits, so an idle server's hit rate kept rising).
+        if not req.upkeep:
+            self.port.counted(
+                plan.kind, keep, whole=hit == "exact", resumed=req.options.parent_key is not None
+            )
         sampler, fork_samplers = samplers[0], samplers[1:]
         fork_slots = self.forks.pick(slot, free, len(req.forks))
         self.forks.seat(

@@ -75,6 +75,7 @@ class Forks:
                 admitted=now,
                 last_continued=n,
                 adapters=adapters,  # the first choice's: they share its prompt's KV
+                fork=True,
             )
             slot.phase = "fork"
 

@@ -74,7 +74,7 @@ class Outcomes:
             decode_steps=max(0, act.sampled - 1),
             decode_ms=(act.last_sampled - act.first_sampled) * 1e3,
         )
-        self.rt.stats.account(stats)
+        self.rt.stats.account(stats, upkeep=act.req.upkeep, fork=act.fork)
         completion = Completion(
             text=act.assembler.text,
             prompt_tokens=act.req.prompt_tokens,
@@ -145,7 +145,11 @@ class Outcomes:
             self.cancelled_unstarted(req)
 
     def cancelled_unstarted(self, req: Request) -> None:
-        """A request (and its forks) cancelled while still queued: a cold, empty ``Done``."""
+        """A request (and its forks) cancelled while still queued: a cold, empty ``Done``,
+        counted like every request that ended (found by review: the server counted it in
+        ``kvwarm_generations_total{reason="cancelled"}`` and the model nowhere, so
+        ``kvwarm_requests_total`` fell behind). Runs on the worker's thread or on the
+        canceller's (``Worker.cancel``)."""
         now = time.perf_counter()
         stats = CompletionStats(
             prompt_tokens=len(req.prompt_tokens),
@@ -159,6 +163,9 @@ class Outcomes:
             key=None,
         )
         for one in req.group:
+            if one.answered:  # answered already: counted then, or never to be
+                continue
+            self.rt.stats.account(stats, upkeep=one.upkeep)
             one.answer(Done(Completion("", req.prompt_tokens, (), stats)))
 
 

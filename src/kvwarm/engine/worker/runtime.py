@@ -9,6 +9,7 @@ the cache port and outcomes each hold the same ``Runtime`` and never a copy of a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,13 +70,40 @@ class WorkerStats:
     accepted_tokens: int = 0  # ... and accepted by the model
     verify_passes: int = 0  # slots' passes that verified a draft
     hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "partial": 0, "cold": 0})
+    #: The cache's upkeep (``Request.upkeep``: ``Model.prewarm``), apart from the requests
+    #: above: prewarms ended, their prompt tokens, those reused and those run through the
+    #: model, and their prefill time.
+    prewarms: int = 0
+    prewarm_prompt_tokens: int = 0
+    prewarm_cached_tokens: int = 0
+    prewarm_prefilled_tokens: int = 0
+    prewarm_ms: float = 0.0
+    #: ``account`` runs on the worker's thread, and on a caller's for a request it cancels
+    #: while still queued (``Worker.cancel``): its sums are taken under this lock.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def account(self, st: CompletionStats) -> None:
+    def account(self, st: CompletionStats, *, upkeep: bool = False, fork: bool = False) -> None:
+        """Count one request that ended (``upkeep``: a prewarm, counted apart). ``prefill_ms``
+        sums the prefills run: a ``fork`` (``n > 1``) ran none, so its ``prefill_ms``, the
+        wait for its first choice's, adds nothing (found by review: one prefill counted n
+        times, and the dashboard's time saved, cached x prefill_ms / prefilled, n times too
+        high)."""
+        with self._lock:
+            self._account(st, upkeep=upkeep, fork=fork)
+
+    def _account(self, st: CompletionStats, *, upkeep: bool, fork: bool) -> None:
+        if upkeep:
+            self.prewarms += 1
+            self.prewarm_prompt_tokens += st.prompt_tokens
+            self.prewarm_cached_tokens += st.cached_tokens
+            self.prewarm_ms += st.prefill_ms
+            return
         self.requests += 1
         self.prompt_tokens += st.prompt_tokens
         self.cached_tokens += st.cached_tokens
         self.completion_tokens += st.completion_tokens
-        self.prefill_ms += st.prefill_ms
+        if not fork:
+            self.prefill_ms += st.prefill_ms
         self.generation_ms += st.generation_ms
         self.drafted_tokens += st.drafted_tokens
         self.accepted_tokens += st.accepted_tokens

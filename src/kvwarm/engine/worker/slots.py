@@ -72,6 +72,11 @@ class Active:
     #: Ticks in a row it had a token to decode and the plan left it out
     #: (``batching``'s ``decode_waited``).
     decode_waited: int = 0
+    #: An ``n > 1`` request's other choice (``engine/worker/forks.py``): its prompt's KV is
+    #: the first choice's, so it runs no prefill of its own. Its ``prefill_ms`` (the wait for
+    #: the first choice's prefill) is its caller's latency, and adds nothing to the model's
+    #: prefill time (``WorkerStats.account``).
+    fork: bool = False
 
     def unsent_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment (of the first ``upto`` tokens: those

@@ -417,7 +417,10 @@ class Tick:
         if act.req.options.prompt_logprobs is not None:
             self._prompt_logprobs(slot, row, chunk)
         slot.kv_tokens.extend(toks[chunk.start : chunk.end])
-        self.rt.stats.prefilled_tokens += chunk.end - chunk.start
+        if act.req.upkeep:
+            self.rt.stats.prewarm_prefilled_tokens += chunk.end - chunk.start
+        else:
+            self.rt.stats.prefilled_tokens += chunk.end - chunk.start
         act.prefill_pos = chunk.end
         slot.canonical = canonical_after_chunk(
             slot.canonical,

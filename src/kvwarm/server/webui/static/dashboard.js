@@ -14,7 +14,8 @@ const ROW_LIMIT = 200;
 /**
  * Hit rate from the cache's request outcomes (each request counts one): requests that reused
  * KV, a row's or a slot's live KV, over all those served (hits and misses; a request that
- * failed before it was seated, `admission_failures`, was not served and is in neither).
+ * failed before it was seated, `admission_failures`, was not served and is in neither; a
+ * prewarm or keep-alive re-warm is the server's upkeep and counts no outcome).
  */
 export function lookupHitRate(counters) {
   const hits =
@@ -29,9 +30,11 @@ export function lookupHitRate(counters) {
 /**
  * Prompt tokens served from the cache, and prefill time they saved: each model's cached tokens
  * times the time its prefilled tokens took on average (an estimate: prefill_ms also holds the
- * restores, so it leans high on a very warm server). `models`: /cache/stats's `model_totals`
- * (each model's counts over the server's lifetime, every load of it: the figures stay when a
- * model unloads), or any list of objects with the same counts.
+ * restores, so it leans high on a very warm server). The tokens prefilled are those the model
+ * ran (`prefilled_tokens`), not `prompt_tokens - cached_tokens`, which also holds prompts
+ * never prefilled (a request cancelled while queued or mid-prefill). `models`: /cache/stats's
+ * `model_totals` (each model's counts over the server's lifetime, every load of it: the
+ * figures stay when a model unloads), or any list of objects with the same counts.
  */
 export function savings(models) {
   let prompt = 0;
@@ -40,7 +43,7 @@ export function savings(models) {
   for (const m of models) {
     prompt += m.prompt_tokens;
     cached += m.cached_tokens;
-    const prefilled = m.prompt_tokens - m.cached_tokens;
+    const prefilled = m.prefilled_tokens ?? m.prompt_tokens - m.cached_tokens;
     if (prefilled > 0) savedMs += (m.cached_tokens * m.prefill_ms) / prefilled;
   }
   return { tokenRate: prompt > 0 ? cached / prompt : Number.NaN, savedMs };
