@@ -180,3 +180,14 @@ def test_a_request_cancelled_while_queued_counts_as_a_request(
     }
     assert finished[(("model", "a"), ("reason", "cancelled"))] == 1
     assert model_series(series, "kvwarm_requests_total") == sum(finished.values()) == 2
+
+
+def test_cache_slots_rounds_prewarm_time_as_the_others(client: TestClient) -> None:
+    prewarmed = client.post("/cache/prewarm", json={"model": "a", "prompt": PROMPT}, headers=ADMIN)
+    assert prewarmed.status_code == 200, prewarmed.text
+    (status,) = [
+        m for m in client.get("/cache/slots", headers=ADMIN).json()["data"] if m["id"] == "a"
+    ]
+    for name in ("prefill_ms", "generation_ms", "prewarm_ms"):
+        assert status[name] == round(status[name], 3), name
+    assert status["prewarm_ms"] > 0

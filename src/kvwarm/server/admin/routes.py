@@ -267,6 +267,7 @@ def _model_status(status: ModelStatus) -> dict[str, object]:
     body = asdict(status)
     body["prefill_ms"] = round(status.prefill_ms, 3)
     body["generation_ms"] = round(status.generation_ms, 3)
+    body["prewarm_ms"] = round(status.prewarm_ms, 3)
     for slot in body["slots"]:
         slot["last_used"] = round(slot["last_used"], 3)
     return body
