@@ -130,6 +130,19 @@ def case_batch_past_n_ctx(backend: str) -> None:
     assert ctx.seq_pos_max(0) == 15
 
 
+def case_n_batch_at_int32_max(backend: str) -> None:
+    """n_batch 2**31 - 1 passes ContextParams.validate; the context's batch was allocated with
+    that many rows, and llama_batch_init's ``n_tokens_alloc + 1`` overflowed: it wrote through
+    a NULL pointer (a segfault as the context was made). No call holds more than n_ctx."""
+    model = load(backend)
+    ctx = model.new_context(ContextParams(n_ctx=64, n_batch=2**31 - 1, n_ubatch=64,
+                                          n_threads=2))  # fmt: skip
+    tokens = (model.tokenize(PROMPT) * 8)[:64]
+    ctx.prefill(0, tokens, 0)  # a whole n_ctx in one call: the batch holds it
+    assert ctx.seq_pos_max(0) == 63
+    assert len(memoryview(ctx.logits(-1)).cast("B").cast("f")) == model.facts.n_vocab
+
+
 def case_embed_with_rank_pooling(backend: str) -> None:
     """A rank-pooled sequence keeps its classifier outputs alone (n_cls_out floats): embed()
     read n_embd floats from there, past their end (found by review)."""

@@ -7,8 +7,9 @@ Invariants:
   each call (token / seq ids, positions that continue each sequence, batch sizes, positions
   < ``n_ctx``, logits rows that were requested) and then call the ``_``-methods here; the
   checks are what stand between a caller and a ``GGML_ASSERT``.
-- One ``llama_batch`` is allocated per context (``llama_batch_init``) and freed exactly once, in
-  ``_free``; decode and prefill refill it in place.
+- One ``llama_batch`` is allocated per context (``llama_batch_init``), of the most tokens one
+  call may hold (``min(n_batch, n_ctx)``; a non-causal model's: ``n_ubatch``), and freed
+  exactly once, in ``_free``; decode and prefill refill it in place.
 - ``logits()`` returns a zero-copy view of llama.cpp's buffer. The views handed out are released
   at the next decode and at close (``ContextFront``), so a stale view raises ``ValueError``
   instead of reading freed memory (unless the caller re-exported it, e.g. into numpy).
@@ -141,7 +142,13 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         )
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
-        self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
+        #: Rows of the batches: the most tokens one call may hold (``ContextFront``'s checks:
+        #: a causal model's positions stay below n_ctx, a non-causal call fits one ubatch),
+        #: not n_batch as given. Found by review: n_batch 2**31 - 1 (inside validate's bound)
+        #: over n_ctx 256 overflowed ``llama_batch_init``'s ``n_tokens_alloc + 1``, and it
+        #: wrote through the NULL that malloc returned: a segfault as the context was made.
+        self._batch_rows = min(params.n_batch, params.n_ctx) if causal else params.n_ubatch
+        self._batch = lib.llama_batch_init(self._batch_rows, 0, params.n_seq_max)
         self._logits_at = _native.logits_at()
         self._row_type = ctypes.c_float * model.n_vocab  # one row of logits
         #: The batch media spans' embeddings go through, made on first use (``decode_embd``).
@@ -258,8 +265,8 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             # As many rows as a span may have (``check_embd``): a causal one fills up to
             # n_batch (llama_decode splits it into ubatches). One ubatch of rows, as this was,
             # had a longer causal span copied past the batch's end (a segfault).
-            self._embd_batch = lib.llama_batch_init(self._params.n_batch, self._n_embd_inp, 1)
-        if n_tokens > self._params.n_batch:
+            self._embd_batch = lib.llama_batch_init(self._batch_rows, self._n_embd_inp, 1)
+        if n_tokens > self._batch_rows:
             raise BackendError(f"a span of {n_tokens} positions exceeds the embedding batch")
         b = self._embd_batch
         src = np.frombuffer(embd, dtype=np.uint8)
