@@ -120,6 +120,11 @@ def test_find_lone_surrogate_names_the_path() -> None:
         ("parent_key", 5),
         ("parent_key", [0] * 32),
         ("parent_key", "0" * 32),
+        # llama-server's line stops: counts, 0 off (the server maps its "0 or below" to 0).
+        ("n_indent", -1),
+        ("n_indent", "4"),
+        ("t_max_predict_ms", -500),
+        ("t_max_predict_ms", 1.5),
     ],
 )
 def test_ill_typed_options_are_rejected(name: str, value: object) -> None:

@@ -122,3 +122,57 @@ def test_begun_counts_the_tokens_of_the_returned_text() -> None:
     assert asm.begun() == 1
     asm.feed(b"z")
     assert asm.begun() == 2
+
+
+def indent_cut(text: str, n_indent: int) -> str:
+    """llama-server's ``n_indent`` cut of a whole text, written plainly: at the first
+    character other than a space or a tab of the first line after a newline indented less."""
+    pos = text.find("\n")
+    while pos != -1:
+        start = at = pos + 1
+        while at < len(text) and text[at] in " \t":
+            at += 1
+        if at < len(text) and at - start < n_indent:
+            return text[:at]
+        pos = text.find("\n", start)
+    return text
+
+
+def test_a_line_indented_less_than_n_indent_ends_the_text_there() -> None:
+    asm = TextAssembler((), n_indent=4)
+    assert asm.feed(b"  x\n    y") == "  x\n    y"  # the first line is never checked
+    assert asm.feed(b"\n  ") == "\n  "  # indentation alone decides nothing yet
+    assert asm.feed(b"zw") == "" and asm.stopped and asm.indent_cut
+    assert asm.text == "  x\n    y\n  " and asm.matched is None
+    assert asm.feed(b"more") == ""
+
+
+def test_an_earlier_stop_sequence_wins_over_a_later_indent_cut() -> None:
+    asm = TextAssembler(("y",), n_indent=4)
+    asm.feed(b"a\n    y\nb")
+    assert asm.text == "a\n    " and asm.matched == "y" and not asm.indent_cut
+    asm = TextAssembler(("b",), n_indent=4)
+    asm.feed(b"a\n  y\nb")
+    assert asm.text == "a\n  " and asm.matched is None and asm.indent_cut
+
+
+@given(
+    st.text(alphabet="ab \t\n", max_size=40),
+    st.lists(st.integers(1, 5), max_size=20),
+    st.integers(1, 4),
+    st.sampled_from(["", "b\n", "\t"]),
+)
+def test_indent_cut_fragments_are_the_text_and_the_text_is_llama_servers(
+    text: str, cuts: list[int], n_indent: int, stop: str
+) -> None:
+    data = text.encode()
+    pieces, i = [], 0
+    for c in cuts:
+        pieces.append(data[i : i + c])
+        i += c
+    pieces.append(data[i:])
+    asm = TextAssembler((stop,) if stop else (), n_indent=n_indent)
+    out = "".join(asm.feed(p) for p in pieces) + asm.finish()
+    assert out == asm.text
+    expected = text.split(stop, maxsplit=1)[0] if stop else text
+    assert asm.text == indent_cut(expected, n_indent)

@@ -91,8 +91,6 @@ def test_completion_of_several_prompts_is_a_list_indexed_as_llama_server(
         ("min_keep", 2),
         ("id_slot", 0),
         ("cache_prompt", False),
-        ("n_indent", 4),
-        ("t_max_predict_ms", 500),
         ("samplers", ["top_k", "temperature"]),
         ("samplers", "edskympxt"),  # min-p before top-p
         ("timings_per_token", True),
@@ -116,10 +114,10 @@ def test_completion_takes_the_off_values_llama_server_clients_send(client: TestC
     off = {"cache_prompt": True, "id_slot": -1, "mirostat": 0, "top_n_sigma": -1.0}
     done = client.post("/completion", json={"prompt": "x", "n_predict": 1, **off}, headers=AUTH)
     assert done.status_code == 200, done.text
-    # llama.cpp runs these only above 0 (top-n-sigma, dynamic temperature, the time limit):
+    # llama.cpp runs these only above 0 (top-n-sigma, dynamic temperature, the line stops):
     # 0 and any negative value are off (found by review: 0, their common "off", was a 400).
-    for field in ("top_n_sigma", "dynatemp_range", "t_max_predict_ms"):
-        for value in (0, -1, -0.5 if field != "t_max_predict_ms" else -7):
+    for field in ("top_n_sigma", "dynatemp_range", "t_max_predict_ms", "n_indent"):
+        for value in (0, -1, -0.5 if field in ("top_n_sigma", "dynatemp_range") else -7):
             body = {"prompt": "x", "n_predict": 1, field: value}
             done = client.post("/completion", json=body, headers=AUTH)
             assert done.status_code == 200, (field, value, done.text)

@@ -186,6 +186,9 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "n_probs": 1,
                 "return_tokens": True,
                 "response_fields": ["content", "timings/prompt_n"],
+                # llama.vim's line stops: a reply's lines indented 2 at least, and 1 s.
+                "n_indent": 2,
+                "t_max_predict_ms": 1000,
             },
             {
                 **STREAMED,
@@ -207,7 +210,8 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "n_probs": 1,
                 "return_tokens": True,
                 "response_fields": ["content"],
-                # llama-server's fields kvwarm takes at their "off" values only.
+                # llama-server's fields kvwarm takes at their "off" values only (but the
+                # line stops, which it runs).
                 "id_slot": -1,
                 "cache_prompt": True,
                 "mirostat": 0,
@@ -217,8 +221,8 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "dynatemp_range": 0.0,
                 "repeat_last_n": 64,
                 "min_keep": 0,
-                "n_indent": 0,
-                "t_max_predict_ms": -1,
+                "n_indent": 4,
+                "t_max_predict_ms": 500,
                 "timings_per_token": False,
                 "return_progress": False,
                 "post_sampling_probs": False,

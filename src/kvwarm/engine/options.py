@@ -48,6 +48,8 @@ class GenerationOverrides(TypedDict, total=False):
     spec_draft_max: int | None
     prediction: str | None
     lora: tuple[tuple[int, float], ...] | None
+    n_indent: int
+    t_max_predict_ms: int
 
 
 def merge_options(

@@ -8,7 +8,10 @@ never emitted as U+FFFD. ``begun`` counts the tokens whose text starts in what w
 the tokens a fragment's logprobs may cover (after a stop, exactly those of the returned text,
 a token that holds the text's end and the stop's start included). A logprob token whose bytes
 are not whole UTF-8 is named with ``piece_text``'s ``bytes:\\xNN`` form, which
-``piece_bytes`` inverts exactly.
+``piece_bytes`` inverts exactly. With ``n_indent`` (llama-server's), a line after a newline
+whose first character other than a space or a tab stands in a column below ``n_indent`` (an
+empty line's newline included) ends the text there, as a stop sequence would: that
+character and what follows are never emitted, the line's indentation is kept.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import codecs
 
 
 class TextAssembler:
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], *, n_indent: int = 0) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = False  # whether the decoder holds bytes of an unfinished character
         self._stop = stop
@@ -28,6 +31,10 @@ class TextAssembler:
         self.stopped = False
         self.matched: str | None = None  # the stop sequence that ended the text, if any
         self._starts: list[int] = []  # per token fed: where its text starts in _text
+        self._n_indent = n_indent
+        self._line = -1  # where the line whose indentation is undecided starts; -1: none
+        self._scanned = 0  # _text before this has been looked at for newlines
+        self.indent_cut = False  # whether a line indented less than n_indent ended the text
 
     def begun(self) -> int:
         """How many of the tokens fed have text that starts in what was emitted so far
@@ -58,9 +65,37 @@ class TextAssembler:
             if cut != -1:
                 self._text = self._text[:cut]
                 self.stopped = True
-                return self._flush_to(len(self._text))
-            return self._flush_to(max(self._emitted, len(self._text) - self._hold + 1))
-        return self._flush_to(len(self._text))
+        if self._n_indent > 0:
+            # Before a stop sequence's cut, a line indented less ends the text first.
+            under = self._under_indented()
+            if under != -1:
+                self._text = self._text[:under]
+                self.stopped, self.matched, self.indent_cut = True, None, True
+        if self.stopped or not self._stop:
+            return self._flush_to(len(self._text))
+        return self._flush_to(max(self._emitted, len(self._text) - self._hold + 1))
+
+    def _under_indented(self) -> int:
+        """Where in ``_text`` the first character (not a space or a tab) of a line indented
+        less than ``n_indent`` stands, the first line (the rest of the one the text began
+        on) never counting; -1 if none. Each newline is looked for once; a line's
+        indentation is decided by its first such character."""
+        text = self._text
+        while True:
+            if self._line == -1:
+                newline = text.find("\n", self._scanned)
+                if newline == -1:
+                    self._scanned = len(text)
+                    return -1
+                self._line = newline + 1
+            at = self._line
+            while at < len(text) and text[at] in " \t":
+                at += 1
+            if at >= len(text):
+                return -1  # only indentation so far: undecided
+            if at - self._line < self._n_indent:
+                return at
+            self._line, self._scanned = -1, at
 
     def finish(self) -> str:
         """End of generation: release held-back text. Bytes of an unfinished character are

@@ -16,6 +16,8 @@ from kvwarm.cache.explain import ReuseReport
 
 CacheHitKind = Literal["exact", "partial", "cold"]
 FinishReason = Literal["stop", "length", "cancelled"]
+#: The line stop that ended a reply (``GenerationOptions.n_indent``, ``t_max_predict_ms``).
+LineStop = Literal["n_indent", "t_max_predict_ms"]
 
 #: Speculative decoding's draft sources, named as llama-server's ``--spec-type`` names the ones
 #: that mean the same (``engine/worker/drafts.py``): "none" (plain decoding), "ngram-simple"
@@ -64,7 +66,16 @@ SAMPLING_OPTIONS: tuple[str, ...] = (
     "presence_penalty",
 )
 
-_INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "spec_draft_max")
+_INT_OPTIONS = (
+    "max_tokens",
+    "top_k",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "spec_draft_max",
+    "n_indent",
+    "t_max_predict_ms",
+)
 _BOOL_OPTIONS = ("deterministic", "add_special", "parse_special", "ignore_eos")
 # None allowed
 _OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "spec_draft_max", "deterministic"})
@@ -164,6 +175,14 @@ class GenerationOptions:
     #: scales. Requests of different sets never share a forward pass, cached rows or live KV
     #: (``engine/adapters.py``).
     lora: tuple[tuple[int, float], ...] | None = None
+    #: llama-server's line stops of code completion (llama.vim's, llama.vscode's), 0: off.
+    #: ``n_indent``: the reply ends at a line (after its first) whose first character other
+    #: than a space or a tab stands in a column below this, an empty line included; that
+    #: character and what follows are no part of it. ``t_max_predict_ms``: the reply ends
+    #: with a newline generated more than this many milliseconds after its first token.
+    #: Either ends it with ``finish_reason`` "length" and says so in ``stopped_by``.
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
 
     def validate(self) -> None:
         from kvwarm.errors import InvalidRequestError
@@ -175,8 +194,9 @@ class GenerationOptions:
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidRequestError(f"{f.name} must be a finite number", param=f.name)
         self._check_types()
-        if self.max_tokens < 0:
-            raise InvalidRequestError("max_tokens must be >= 0", param="max_tokens")
+        for name in ("max_tokens", "n_indent", "t_max_predict_ms"):
+            if getattr(self, name) < 0:
+                raise InvalidRequestError(f"{name} must be >= 0", param=name)
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError("temperature must be in [0, 100]", param="temperature")
         if self.top_k < 0:
@@ -418,6 +438,9 @@ class CompletionStats:
     finish_reason: FinishReason
     key: bytes | None  # key of the finish save (prompt + reply): pass as the next parent_key
     stop_sequence: str | None = None  # the ``stop`` string that ended the reply, if one did
+    #: The line stop that ended the reply, if one did (``finish_reason`` then "length", as
+    #: llama-server's "limit"; neither ``max_tokens`` nor the context was used up).
+    stopped_by: LineStop | None = None
     #: What the planner found and why it reused no more (``kvwarm.cache.explain``); None for
     #: a request that never reached a slot (cancelled while queued) or a fork (``n > 1``)
     #: that ended before it got the first choice's prompt KV.

@@ -277,6 +277,10 @@ class LlamaFields(SamplingFields):
     n_probs: JsonInt = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
     response_fields: list[str] | None = Field(default=None, max_length=256)
+    # llama-server's line stops of code completion (llama.vim's, llama.vscode's); 0 or
+    # below: off, as llama-server reads them (``GenerationOptions.n_indent``, ...).
+    n_indent: JsonInt = 0
+    t_max_predict_ms: JsonInt = -1
 
 
 class InfillRequest(LlamaFields):
@@ -309,8 +313,6 @@ class LlamaCompletionRequest(LlamaFields):
     dynatemp_range: StrictNumber = 0.0
     repeat_last_n: JsonInt = 64
     min_keep: JsonInt = 0
-    n_indent: JsonInt = 0
-    t_max_predict_ms: JsonInt = -1
     samplers: str | list[str] | None = None
     timings_per_token: bool = False
     return_progress: bool = False

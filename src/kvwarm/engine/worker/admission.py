@@ -325,7 +325,7 @@ class Admission:
             req=req,
             namespace=ns,
             sampler=sampler,
-            assembler=TextAssembler(req.options.stop),
+            assembler=TextAssembler(req.options.stop, n_indent=req.options.n_indent),
             prefill_pos=keep,
             pauses=pauses,
             cached_tokens=keep,

@@ -63,7 +63,7 @@ class Forks:
                 req=req,
                 namespace=ns,
                 sampler=sampler,
-                assembler=TextAssembler(req.options.stop),
+                assembler=TextAssembler(req.options.stop, n_indent=req.options.n_indent),
                 prefill_pos=n,
                 pauses=[],
                 # Nothing reused yet: the whole prompt's KV comes from the first choice at

@@ -67,6 +67,7 @@ class Outcomes:
             finish_reason=reason,
             key=key,
             stop_sequence=act.assembler.matched,
+            stopped_by=act.stopped_by,
             reuse=act.reuse,
             drafted_tokens=act.drafted,
             accepted_tokens=act.accepted,

@@ -10,6 +10,7 @@ the cache port and outcomes each hold the same ``Runtime`` and never a copy of a
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -141,6 +142,9 @@ class Runtime:
     #: Whether a verify pass under an adapter set is exact (``Adapters.exact_set``; None:
     #: every set is, or the model may speculate inexactly).
     adapters_exact: Callable[[AdapterSet], bool] | None = None
+    #: When a token is sampled (``Active.first_sampled``, ``last_sampled``): the decode
+    #: timings and ``t_max_predict_ms`` read it. Tests replace it to step time as they wish.
+    clock: Callable[[], float] = time.perf_counter
     _eog: tuple[int, ...] | None = None
 
     def adapter_set(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:

@@ -3,9 +3,10 @@
 Invariants: a slot's generated tokens are sampled in order from the logits of the position
 before them (a decode row, a verify pass's row, or a row's stored final logits on an exact
 hit), by the request's one sampler, so a speculative request samples what a plain one would;
-an end-of-generation token, a stop string, ``max_tokens`` or a full window ends the request
-through ``Outcomes``; the token that reaches ``max_tokens`` is reported but never decoded; a
-verify pass leaves the sequence holding only the accepted draft (``docs/architecture.md``).
+an end-of-generation token, a stop string, a line stop (``n_indent``, ``t_max_predict_ms``),
+``max_tokens`` or a full window ends the request through ``Outcomes``; the token that reaches
+``max_tokens`` (or a line stop) is reported but never decoded; a verify pass leaves the
+sequence holding only the accepted draft (``docs/architecture.md``).
 A generated token's text is its piece, a control token's empty, except for the tokens its
 request preserves (``Request.preserved``: a tool call's markers), whose text it is; an
 end-of-generation token is never text.
@@ -20,7 +21,6 @@ from the prompt or streamed.
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -190,7 +190,7 @@ class Sampling:
         """Send ``token`` on its way; why the request ends with it, if it does (an
         end-of-generation token is not part of the reply, nor is its logprob; the one that
         reaches ``max_tokens`` is, but is never decoded)."""
-        now = time.perf_counter()
+        now = self.rt.clock()
         if not act.sampled:
             act.first_sampled = now
         act.last_sampled = now
@@ -222,9 +222,17 @@ class Sampling:
         if fragment and act.req.fragments:
             # A token whose text is held back keeps its logprob until text goes out with it.
             act.req.channel.put(Fragment(fragment, act.unsent_logprobs(begun)))
+        if act.assembler.indent_cut:
+            act.stopped_by = "n_indent"
+            return "length"
         if act.assembler.stopped:
             return "stop"
         if len(act.generated) >= act.req.options.max_tokens:
+            return "length"
+        limit_ms = act.req.options.t_max_predict_ms
+        if limit_ms and "\n" in fragment and (now - act.first_sampled) * 1e3 > limit_ms:
+            # llama-server's: a newline out past the limit ends the reply with it.
+            act.stopped_by = "t_max_predict_ms"
             return "length"
         return None
 

@@ -18,7 +18,7 @@ from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
 from kvwarm.engine.text import TextAssembler
-from kvwarm.engine.types import CacheHitKind, SlotPhase, SlotStatus, TokenLogprob
+from kvwarm.engine.types import CacheHitKind, LineStop, SlotPhase, SlotStatus, TokenLogprob
 from kvwarm.engine.worker.draftmodel import ModelDrafter
 from kvwarm.engine.worker.drafts import Drafter
 
@@ -47,6 +47,7 @@ class Active:
     first_sampled: float = 0.0
     last_sampled: float = 0.0
     generated: list[int] = field(default_factory=list)
+    stopped_by: LineStop | None = None  # the line stop that ended the reply, if one did
     pending: int | None = None  # sampled, not yet decoded
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0  # how many of ``logprobs`` went out with a fragment

@@ -498,8 +498,13 @@ def _infill_body(
         "tokens_predicted": s.completion_tokens,
         "tokens_evaluated": s.prompt_tokens,
         "has_new_line": "\n" in done.text,
-        # The context ran out before n_predict (the engine ends a reply there: no shift).
-        "truncated": s.finish_reason == "length" and s.completion_tokens < max_tokens,
+        # The context ran out before n_predict (the engine ends a reply there: no shift);
+        # a line stop (n_indent, t_max_predict_ms) is a "limit" that truncated nothing.
+        "truncated": (
+            s.finish_reason == "length"
+            and s.stopped_by is None
+            and s.completion_tokens < max_tokens
+        ),
         "stop_type": stop_type,
         "stopping_word": s.stop_sequence or "",
         "tokens_cached": s.cached_tokens,
@@ -542,8 +547,6 @@ _OFF: dict[str, tuple[object, str]] = {
     "dynatemp_range": (0.0, "kvwarm has no dynamic temperature"),
     "repeat_last_n": (64, "kvwarm's penalties count the reply's last 64 tokens"),
     "min_keep": (0, "kvwarm's truncations keep no minimum"),
-    "n_indent": (0, "kvwarm has no indentation stop"),
-    "t_max_predict_ms": (-1, "kvwarm has no time limit per reply but request_timeout_s"),
     "samplers": (None, "kvwarm's samplers run in llama-server's default order, fixed"),
     "timings_per_token": (False, "kvwarm's timings come with the last chunk only"),
     "return_progress": (False, "kvwarm sends no prompt progress events"),
@@ -552,9 +555,9 @@ _OFF: dict[str, tuple[object, str]] = {
 
 
 #: Fields of ``_OFF`` that llama.cpp acts on only above 0 (``top_n_sigma``'s sampler, the
-#: dynamic temperature's, llama-server's time limit): 0 and any negative value are off. Found
-#: by review: only a negative value was, so 0, their usual "off", was a 400.
-_OFF_AT_OR_BELOW_ZERO = frozenset({"top_n_sigma", "dynatemp_range", "t_max_predict_ms"})
+#: dynamic temperature's): 0 and any negative value are off. Found by review: only a negative
+#: value was, so 0, their usual "off", was a 400.
+_OFF_AT_OR_BELOW_ZERO = frozenset({"top_n_sigma", "dynatemp_range"})
 
 
 #: llama-server's sampler letters (``common_sampler_type_to_chr``) and names
