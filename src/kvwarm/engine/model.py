@@ -318,6 +318,7 @@ class Model:
                     quant_bits=bmodel.facts.quant_bits,
                     path=str(path),
                     n_ctx_slot=ran.n_ctx,
+                    n_target_vocab=self._bmodel.facts.n_vocab,
                 )
             except BaseException:
                 ctx.close()
