@@ -20,6 +20,9 @@ model says.
 - Vocabularies of different sizes: a draft token the model does not have ends the draft; a
   token of the text the draft model does not have ends the request's drafting (nothing after
   it can be drafted exactly), and never reaches the draft context.
+- A sliding-window draft model runs with a full-size SWA cache (``swa_full``), whose live
+  state trims like full attention; a row longer than its window resumes at its own length
+  alone, and a sequence restored from one is never trimmed below it (``kvwarm.memory``).
 - ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``).
 
 Invariants: worker thread only; the draft context decodes no token past the draft model's
@@ -116,6 +119,8 @@ class DraftStore(Protocol):
     def draft_prefix(
         self, ns: Namespace, tokens: Sequence[int], min_shared: int
     ) -> PrefixMatch | None: ...
+
+    def draft_whole_rows(self, ns: Namespace, tokens: Sequence[int]) -> list[PrefixMatch]: ...
 
     def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]: ...
 
@@ -220,7 +225,7 @@ class DraftModel:
                 common += 1
         self._owner[seq] = ns
         if common < len(held):
-            self._trim(seq, common)
+            common = self._trim(seq, common)
         if self.unreadable(text, common, n + 1) is not None:
             return []  # a token the draft model does not have: nothing past it is drafted
         if common < prompt_len <= n:
@@ -259,14 +264,21 @@ class DraftModel:
             token, pos = best, pos + 1
         return draft
 
-    def _trim(self, seq: int, keep: int) -> None:
+    def _trim(self, seq: int, keep: int) -> int:
+        """Keep the first ``keep`` positions of ``seq``, or none where its state cannot resume
+        there (a sliding window's restored state, whose cells before its last ``n_swa`` were
+        never saved: ``MemoryKind.live_floor``); how many it keeps."""
         ctx, held = self.ctx, self.held[seq]
+        mem = ctx.memory
+        if keep > 0 and mem.live_floor(len(held), ctx.seq_pos_min(seq)) > keep:
+            keep = 0
         ctx.seq_rm(seq, keep, -1)
         if ctx.seq_pos_max(seq) != keep - 1:
             raise StateRestoreError(
                 f"the draft context's seq {seq} kept positions past {keep} after a removal"
             )
         del held[keep:]
+        return keep
 
     def _restore(
         self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int], common: int
@@ -274,6 +286,11 @@ class DraftModel:
         """Restore the longest cached prefix of ``prompt`` in ``ns`` into ``seq`` if it is
         longer than the ``common`` tokens held; how many tokens the sequence holds now."""
         match = store.draft_prefix(ns, prompt, common + 1)
+        if match is not None and match.n_shared < self.ctx.memory.saved_floor(match.row.n_tokens):
+            # A sliding window's row longer than its window resumes at its own length alone
+            # (its masked cells were not saved, ``kvwarm.memory``): a row all of the prompt's.
+            whole = store.draft_whole_rows(ns, prompt)
+            match = next((m for m in whole if m.n_shared > common), None)
         if match is None or match.n_shared <= common:
             return common
         try:
@@ -288,8 +305,7 @@ class DraftModel:
             log.info("draft model: restoring a cached prefix failed (%s); prefilling", exc)
             self.reset(seq)
             return 0
-        keep = min(match.n_shared, len(self.held[seq]))
-        self._trim(seq, keep)
+        keep = self._trim(seq, min(match.n_shared, len(self.held[seq])))
         self.restored_tokens += keep
         if keep > 0:
             store.draft_restored()  # counted only once a row's KV is in (not at the lookup)
