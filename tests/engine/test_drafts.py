@@ -694,10 +694,17 @@ def test_row_counts_come_from_the_namespace_alone_and_stay_bounded(
 
 
 class _Vocab:
-    """What ``check_vocab`` reads of a model: its size and its vocabulary, in one call."""
+    """What ``check_vocab`` reads of a model: its facts and its vocabulary, in one call."""
 
-    def __init__(self, pieces: list[bytes], eog: set[int]) -> None:
-        self.facts = SimpleNamespace(n_vocab=len(pieces))
+    def __init__(self, pieces: list[bytes], eog: set[int], **facts: object) -> None:
+        self.facts = SimpleNamespace(
+            **{
+                "n_vocab": len(pieces),
+                "metadata": {"tokenizer.ggml.model": "gpt2"},
+                "bos": 1, "eos": 2, "add_bos": True, "add_eos": False,
+                **facts,
+            }
+        )  # fmt: skip
         self._vocab = (tuple(pieces), frozenset(eog))
 
     def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
@@ -708,18 +715,41 @@ class _Vocab:
 
 
 def test_a_draft_vocabulary_is_compared_whole_and_the_first_difference_named() -> None:
-    pieces = [b"a", b"b", b"c", b"</s>"]
-    same = _Vocab(pieces, {3})
-    check_vocab(same, _Vocab(list(pieces), {3}), "d.gguf")  # type: ignore[arg-type]
+    pieces = [b"<unk>", b"<s>", b"</s>", b"<pad>", b"<mask>", b"a", b"b", b"c", b"<eot>"]
+    same = _Vocab(pieces, {8})
+    check_vocab(same, _Vocab(list(pieces), {8}), "d.gguf")  # type: ignore[arg-type]
     for other, token in (
-        (_Vocab([b"a", b"B", b"c", b"</s>"], {3}), 1),
-        (_Vocab(pieces, {2, 3}), 2),
-        (_Vocab([*pieces, b"x"], {3}), "has 5 tokens, the model 4"),
+        (_Vocab([*pieces[:6], b"B", *pieces[7:]], {8}), 6),
+        (_Vocab([*pieces[:5], b"x", *pieces[6:]], {8}), 5),
     ):
-        with pytest.raises(
-            ConfigError, match=f"token {token} " if isinstance(token, int) else token
-        ):
+        with pytest.raises(ConfigError, match=f"token {token} "):
             check_vocab(same, other, "d.gguf")  # type: ignore[arg-type]
+
+
+def test_a_draft_vocabulary_is_accepted_where_llama_cpp_accepts_it() -> None:
+    """``common_speculative_are_compatible``: up to 128 tokens more or fewer (Qwen2.5 0.5B's
+    151,936 beside 7B's 152,064), ids below 5 and the end-of-generation flags not compared;
+    another tokenizer, BOS or EOS (where added), or a larger difference refused."""
+    pieces = [b"<unk>", b"<s>", b"</s>", b"<pad>", b"<mask>", *(b"t%d" % i for i in range(300))]
+    model = _Vocab(pieces, {2})
+    for fine in (
+        _Vocab(pieces[:-128], {2}),  # 128 fewer
+        _Vocab([*pieces, *(b"[PAD%d]" % i for i in range(128))], {2}),  # 128 more
+        _Vocab([b"<UNK>", b"<S>", *pieces[2:]], {2, 7}),  # ids below 5, other EOG flags
+        _Vocab(pieces, {2}, add_eos=False, eos=4),  # an EOS not added is not compared
+    ):
+        check_vocab(model, fine, "d.gguf")  # type: ignore[arg-type]
+        check_vocab(fine, model, "d.gguf")  # type: ignore[arg-type]
+    for other, why in (
+        (_Vocab(pieces[:-129], {2}), "has 176 tokens, the model 305"),
+        (_Vocab([*pieces, *(b"x%d" % i for i in range(129))], {2}), "has 434 tokens"),
+        (_Vocab(pieces, {2}, metadata={"tokenizer.ggml.model": "llama"}), "llama tokenizer"),
+        (_Vocab(pieces, {2}, bos=3), "its BOS token"),
+        (_Vocab(pieces, {2}, add_bos=False), "its BOS token"),
+        (_Vocab(pieces, {2}, add_eos=True), "its EOS token"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            check_vocab(model, other, "d.gguf")  # type: ignore[arg-type]
 
 
 def test_pass_cost_fit_in_numpy_is_the_pairwise_theil_sen_fit() -> None:

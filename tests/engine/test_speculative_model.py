@@ -650,3 +650,95 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Path) -> None:
     )
     with make_engine() as engine, pytest.raises(ConfigError, match="vocabulary"):
         engine.load_model(config=config)
+
+
+GEMMA_DRAFTS_FOR_ITSELF = r"""
+import sys
+from dataclasses import replace
+from kvwarm.backends.base import ContextParams
+from kvwarm.engine.api import ModelConfig
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker.draftmodel import DraftModel
+from tests.engine.conftest import make_engine
+source = (
+    "def merge(left, right):\n"
+    "    result = []\n"
+    "    while left and right:\n"
+    "        result.append(left.pop(0) if left[0] <= right[0] else right.pop(0))\n"
+    "    return result + left + right\n"
+)
+prompt = "Original:\n\n" + source + "\nThe same function, renamed to join:\n\ndef join("
+opts = GenerationOptions(max_tokens=40, temperature=0.0)
+# 2048 cells: more than the window's cache would hold without swa_full (512 + a batch).
+context = ContextParams(n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=2)
+config = ModelConfig(context=context, draft_model=sys.argv[1], spec_draft_max=8)
+
+class NoRows:
+    def draft_prefix(self, ns, tokens, min_shared): return None
+    def draft_whole_rows(self, ns, tokens): return []
+    def draft_restored(self): pass
+    def save_draft(self, *args): pass
+
+with make_engine() as engine:
+    model = engine.load_model(sys.argv[1], config=config)
+    draft = model._draft
+    print("EXACT", model.info().speculation_exact)
+    print("SWAFULL", draft.ctx.memory.swa_full, model._worker.rt.ctx.memory.swa_full)
+    windowed = draft.model.new_context(replace(draft.ctx.params, swa_full=False))
+    kv = draft.ctx.memory_bytes.kv_bytes
+    print("KV", kv > windowed.memory_bytes.kv_bytes,
+          model.info().kv_bytes >= kv + model._ctx.memory_bytes.kv_bytes)
+    windowed.close()
+    plain = model.complete(prompt, opts, spec_type="none", cache_salt="plain")
+    spec = model.complete(prompt, opts, cache_salt="draft")
+    print("SAME", spec.completion_tokens == plain.completion_tokens)
+    print("ACCEPTED", spec.stats.accepted_tokens, spec.stats.drafted_tokens)
+    # The live sequence, its drafts rolled back (seq_rm), drafts what a fresh context drafts.
+    text = [*spec.prompt_tokens, *spec.completion_tokens[:12]]
+    n = len(spec.prompt_tokens)
+    ns = draft.namespace_for(b"draft")  # the request's: its live KV is reused
+    held = len(draft.held[0])
+    def both():
+        live = draft.propose(NoRows(), 0, ns, text, n, 8)
+        fresh = DraftModel(draft.model, draft.model.new_context(draft.ctx.params), draft.namespace,
+                           n_seq=1, quant_bits=16, path="fresh", n_ctx_slot=draft.n_ctx_slot)
+        for _ in range(10):
+            again = fresh.propose(NoRows(), 0, draft.namespace, text, n, 8)
+            if len(fresh.held[0]) >= len(text):
+                break
+        fresh.ctx.close()
+        return live, again
+    live, again = model._worker.call(both).result()
+    print("PROPOSE", live == again and len(live) > 0, held > len(text), live, again)
+    # Its prompt's KV, saved in its own namespace, restored by the next request's first draft.
+    model._worker.call(lambda: draft.reset(0)).result()
+    assert engine.cache.flush()
+    restored = draft.restored_tokens
+    model.complete(prompt, opts, cache_salt="draft")
+    print("RESTORED", draft.restored_tokens - restored >= len(spec.prompt_tokens) - 1)
+"""
+
+
+def test_gemma_3_drafts_for_itself_with_a_full_size_window(gemma_path: str) -> None:
+    """Gemma 3 270M, a sliding-window model (a standard draft model for larger Gemma 3), as
+    its own draft model: its draft context gets a full-size SWA cache (the model's own context
+    does not; the extra memory is in the model's ``kv_bytes``), rejected drafts roll back
+    (its next draft is a fresh context's), the greedy reply is plain decoding's with drafts
+    accepted, and its prompt KV is restored from its own namespace. Found on main: refused
+    ("its swa(512) memory cannot roll a rejected draft back"). A child process with the tiled
+    kernel off, so that Gemma's verify rows are exact (see the test above)."""
+    env = {**os.environ, "GGML_CPU_TILED_MM": "0"}
+    done, lines = run_child(
+        GEMMA_DRAFTS_FOR_ITSELF,
+        gemma_path,
+        prefixes=("EXACT", "SWAFULL", "KV", "SAME", "ACCEPTED", "PROPOSE", "RESTORED"),
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(maxsplit=1) for line in lines)
+    assert said["EXACT"] == "at any length", said
+    assert said["SWAFULL"] == "True False" and said["KV"] == "True True", said
+    assert said["PROPOSE"].startswith("True True"), said  # it held more: rolled back
+    assert (said["SAME"], said["RESTORED"]) == ("True", "True"), said
+    accepted, drafted = map(int, said["ACCEPTED"].split())
+    assert accepted >= 10 and drafted >= accepted, said

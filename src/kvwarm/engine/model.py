@@ -272,8 +272,10 @@ class Model:
 
     def _load_draft(self, draft_path: str) -> DraftModel:
         """The ``--draft-model``: its weights (``ConfigError`` unless it has this model's
-        vocabulary), a context of its own with one sequence per slot, and its own cache
-        namespace (its fingerprint, its context's hash)."""
+        vocabulary), a context of its own with one sequence per slot (a sliding-window draft
+        model's with a full-size SWA cache, so a rejected draft's cells can be removed, as
+        llama-server gives its draft context), and its own cache namespace (its fingerprint,
+        its context's hash)."""
         cfg = self.config
         path = Path(os.path.expanduser(draft_path))
         bmodel = self.backend.load_model(str(path), replace(cfg.model_params, progress=None))
@@ -282,12 +284,14 @@ class Model:
             # The cells this model's were given: a draft's verify rows are never compared, so
             # ``auto`` is f16 there (the exact type costs a draft prefill 1.5x).
             given = self._context_given
+            windowed = bmodel.facts.memory_kind == "swa" and bmodel.facts.n_swa > 0
             ran = bmodel.context_params(
                 replace(
                     cfg.context,
                     embeddings=False,
                     type_k=concrete_kv(given.type_k),
                     type_v=concrete_kv(given.type_v),
+                    swa_full=cfg.context.swa_full or windowed,
                 ),
                 deterministic=False,
                 speculative=True,
@@ -298,7 +302,7 @@ class Model:
             kv_tag = bmodel.kv_tag(ran)
             ctx = bmodel.new_context(total)
             try:
-                if not ctx.memory.trimmable:
+                if ctx.memory.lookahead(0) is not None:  # recurrent, hybrid: no roll back
                     raise ConfigError(
                         f"draft model {path}: its {ctx.memory.describe()} memory cannot roll "
                         "a rejected draft back"
@@ -318,6 +322,7 @@ class Model:
                     quant_bits=bmodel.facts.quant_bits,
                     path=str(path),
                     n_ctx_slot=ran.n_ctx,
+                    n_target_vocab=self._bmodel.facts.n_vocab,
                 )
             except BaseException:
                 ctx.close()

@@ -192,8 +192,10 @@ class ModelSettings(BaseSettings):
     draft_model: OptPath = Field(
         default=None,
         description="draft model GGUF for speculative decoding (llama-server's --model-draft): "
-        "same vocabulary as the model (checked at load), its greedy tokens are drafts, its "
-        "prompt KV cached like the model's; spec_type becomes draft-simple unless set (set "
+        "the model's vocabulary as llama-server accepts it (checked at load: up to 128 tokens "
+        "more or fewer), full attention or a sliding window (its draft context then has a "
+        "full-size SWA cache), its greedy tokens are drafts, its prompt KV cached like the "
+        "model's; spec_type becomes draft-simple unless set (set "
         "to none, only requests that ask for draft-simple use it)",
         json_schema_extra=_flags("-md", "--model-draft"),
     )

@@ -250,6 +250,11 @@ class CachePort:
         nothing: a restore of it counts (``draft_restored``)."""
         return self.rt.cache.longest_prefix(ns, tokens, min_shared=min_shared)
 
+    def draft_whole_rows(self, ns: Namespace, tokens: Sequence[int]) -> list[PrefixMatch]:
+        """The draft context's cached rows all of whose tokens begin ``tokens``, longest
+        first: the rows a sliding-window draft model can resume from (``kvwarm.memory``)."""
+        return self.rt.cache.whole_prefixes(ns, tokens)
+
     def draft_restored(self) -> None:
         """The draft context restored a row's KV: ``hits_draft_prefix``, not a request's
         outcome (that is its main context's, ``counted``)."""

@@ -1,7 +1,8 @@
 """Drafts from a draft model (``--draft-model``, ``spec_type`` "draft-simple"): a smaller model of
-the same vocabulary decodes its own copy of each speculating slot's text, in a context of its
-own, and proposes its greedy tokens; the target verifies them as any draft (``sampling``),
-so the output is the target's whatever the draft model says.
+the same vocabulary (as llama.cpp accepts it: ``check_vocab``) decodes its own copy of each
+speculating slot's text, in a context of its own, and proposes its greedy tokens; the target
+verifies them as any draft (``sampling``), so the output is the target's whatever the draft
+model says.
 
 - ``DraftModel``: the draft model's context, one sequence per slot (the slot's ``seq``),
   and what each holds (``held``). A draft brings the sequence to the request's text minus its
@@ -16,12 +17,19 @@ so the output is the target's whatever the draft model says.
   prompt it had to prefill (``SAVE_MIN`` tokens or more) is saved there, whole.
 - A sequence's KV is reused by a later request in the same slot only under the same salted
   namespace (another tenant's request starts from what the cache holds for its own).
+- Vocabularies of different sizes: a draft token the model does not have ends the draft; a
+  token of the text the draft model does not have ends the request's drafting (nothing after
+  it can be drafted exactly), and never reaches the draft context.
+- A sliding-window draft model runs with a full-size SWA cache (``swa_full``), whose live
+  state trims like full attention; a row longer than its window resumes at its own length
+  alone, and a sequence restored from one is never trimmed below it (``kvwarm.memory``).
 - ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``).
 
-Invariants: worker thread only; ``held[seq]`` lists exactly what the draft context's
-sequence holds (a failure clears both); a draft model's failure is logged and ends that
-request's drafting, never the request; the tenant rule holds (a request restores only rows
-of its own salted draft namespace).
+Invariants: worker thread only; the draft context decodes no token past the draft model's
+vocabulary, and no draft holds one past the model's; ``held[seq]`` lists exactly what the
+draft context's sequence holds (a failure clears both); a draft model's failure is logged and
+ends that request's drafting, never the request; the tenant rule holds (a request restores
+only rows of its own salted draft namespace).
 """
 
 from __future__ import annotations
@@ -50,20 +58,54 @@ P_MIN = 0.75
 SAVE_MIN = 32
 
 
+#: llama.cpp's tolerance of a draft model's vocabulary (``common_speculative_are_compatible``
+#: in common/speculative.cpp: ``SPEC_VOCAB_MAX_SIZE_DIFFERENCE``): up to this many tokens more
+#: or fewer than the model's (Qwen2.5 0.5B-3B have 151,936 tokens, 7B and up 152,064: padding).
+VOCAB_MAX_SIZE_DIFFERENCE = 128
+#: The first token id whose bytes are compared (``SPEC_VOCAB_CHECK_START_TOKEN_ID``): the
+#: ids below are unk/BOS/EOS/pad, which models of one family may name differently (BOS and
+#: EOS are compared by id where the vocabulary adds them).
+VOCAB_CHECK_START = 5
+
+
 def check_vocab(target: BackendModel, draft: BackendModel, draft_path: str) -> None:
-    """``ConfigError`` unless ``draft`` has ``target``'s vocabulary: the same size, the same
-    bytes for every token, the same end-of-generation tokens (a draft token is a target token
-    id, so a draft of another vocabulary would propose other words under the same ids)."""
-    n = target.facts.n_vocab
-    if draft.facts.n_vocab != n:
+    """``ConfigError`` unless ``draft``'s vocabulary is one llama.cpp accepts for ``target``
+    (``common_speculative_are_compatible``): the same tokenizer, the same BOS and EOS where
+    they are added, at most ``VOCAB_MAX_SIZE_DIFFERENCE`` tokens more or fewer, and the same
+    bytes for every token of the ids both have from ``VOCAB_CHECK_START`` on. A draft token
+    is a target token id, so a draft of another vocabulary would propose other words under
+    the same ids; ids only one of the two has never cross (``DraftModel``)."""
+    facts, draft_facts = target.facts, draft.facts
+    n, n_draft = facts.n_vocab, draft_facts.n_vocab
+    if abs(n - n_draft) > VOCAB_MAX_SIZE_DIFFERENCE:
         raise ConfigError(
-            f"draft model {draft_path} has {draft.facts.n_vocab} tokens, the model {n}: "
-            "a draft model needs the model's vocabulary"
+            f"draft model {draft_path} has {n_draft} tokens, the model {n}: a draft model "
+            f"needs the model's vocabulary (at most {VOCAB_MAX_SIZE_DIFFERENCE} tokens more "
+            "or fewer)"
         )
-    (pieces, eog), (draft_pieces, draft_eog) = target.vocabulary(), draft.vocabulary()
-    if pieces == draft_pieces and eog == draft_eog:
+    tokenizer = facts.metadata.get("tokenizer.ggml.model")
+    draft_tokenizer = draft_facts.metadata.get("tokenizer.ggml.model")
+    if tokenizer != draft_tokenizer:
+        raise ConfigError(
+            f"draft model {draft_path} has a {draft_tokenizer} tokenizer, the model a "
+            f"{tokenizer} one: a draft model needs the model's vocabulary"
+        )
+    for name, add, draft_add, token, draft_token in (
+        ("BOS", facts.add_bos, draft_facts.add_bos, facts.bos, draft_facts.bos),
+        ("EOS", facts.add_eos, draft_facts.add_eos, facts.eos, draft_facts.eos),
+    ):
+        if add != draft_add or (add and token != draft_token):
+            raise ConfigError(
+                f"draft model {draft_path}: its {name} token ({draft_token}, "
+                f"{'added' if draft_add else 'not added'}) is not the model's ({token}, "
+                f"{'added' if add else 'not added'}): a draft model needs the model's "
+                "vocabulary"
+            )
+    common = min(n, n_draft)
+    pieces, draft_pieces = target.vocabulary()[0], draft.vocabulary()[0]
+    if pieces[VOCAB_CHECK_START:common] == draft_pieces[VOCAB_CHECK_START:common]:
         return
-    token = min([t for t in range(n) if pieces[t] != draft_pieces[t]] + sorted(eog ^ draft_eog))
+    token = next(t for t in range(VOCAB_CHECK_START, common) if pieces[t] != draft_pieces[t])
     raise ConfigError(
         f"draft model {draft_path}: token {token} differs from the model's: a draft "
         "model needs the model's vocabulary"
@@ -77,6 +119,8 @@ class DraftStore(Protocol):
     def draft_prefix(
         self, ns: Namespace, tokens: Sequence[int], min_shared: int
     ) -> PrefixMatch | None: ...
+
+    def draft_whole_rows(self, ns: Namespace, tokens: Sequence[int]) -> list[PrefixMatch]: ...
 
     def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]: ...
 
@@ -100,8 +144,15 @@ class DraftModel:
         quant_bits: int,
         path: str,
         n_ctx_slot: int,
+        n_target_vocab: int | None = None,
     ) -> None:
         self.model = model
+        #: The draft model's vocabulary and the model's (they may differ by up to
+        #: ``VOCAB_MAX_SIZE_DIFFERENCE``): a token of the model's past the draft's is never fed
+        #: to the draft context (llama.cpp would read past its embeddings), a draft token past
+        #: the model's ends the draft (``_propose``).
+        self.n_vocab = model.facts.n_vocab
+        self.n_target_vocab = self.n_vocab if n_target_vocab is None else n_target_vocab
         #: Its weights' size, read now: ``ModelInfo`` reports it after an unload has closed
         #: the model too (found by review: ``/v1/models`` listing a model while it unloaded
         #: failed with ``HandleClosedError``).
@@ -123,6 +174,14 @@ class DraftModel:
 
     def namespace_for(self, salt: bytes | None) -> Namespace:
         return salted_namespace(self.namespace, salt)
+
+    def unreadable(
+        self, tokens: Sequence[int], start: int = 0, stop: int | None = None
+    ) -> int | None:
+        """The first index of ``tokens[start:stop]`` holding a token the draft model does
+        not have (a model's token past its vocabulary), or None."""
+        n, stop = self.n_vocab, len(tokens) if stop is None else stop
+        return next((i for i in range(start, stop) if tokens[i] >= n), None)
 
     def propose(
         self,
@@ -166,7 +225,9 @@ class DraftModel:
                 common += 1
         self._owner[seq] = ns
         if common < len(held):
-            self._trim(seq, common)
+            common = self._trim(seq, common)
+        if self.unreadable(text, common, n + 1) is not None:
+            return []  # a token the draft model does not have: nothing past it is drafted
         if common < prompt_len <= n:
             common = self._restore(store, seq, ns, text[:prompt_len], common)
             if first:
@@ -191,6 +252,8 @@ class DraftModel:
             held.append(token)
             row = np.frombuffer(ctx.logits(0), dtype=np.float32)
             best = int(row.argmax())
+            if best >= self.n_target_vocab:
+                break  # a token the model does not have: never a draft token
             top_logit = float(row[best])
             p = 1.0 / float(np.exp(row - top_logit).sum())
             if not math.isfinite(p) or p < P_MIN:
@@ -201,14 +264,21 @@ class DraftModel:
             token, pos = best, pos + 1
         return draft
 
-    def _trim(self, seq: int, keep: int) -> None:
+    def _trim(self, seq: int, keep: int) -> int:
+        """Keep the first ``keep`` positions of ``seq``, or none where its state cannot resume
+        there (a sliding window's restored state, whose cells before its last ``n_swa`` were
+        never saved: ``MemoryKind.live_floor``); how many it keeps."""
         ctx, held = self.ctx, self.held[seq]
+        mem = ctx.memory
+        if keep > 0 and mem.live_floor(len(held), ctx.seq_pos_min(seq)) > keep:
+            keep = 0
         ctx.seq_rm(seq, keep, -1)
         if ctx.seq_pos_max(seq) != keep - 1:
             raise StateRestoreError(
                 f"the draft context's seq {seq} kept positions past {keep} after a removal"
             )
         del held[keep:]
+        return keep
 
     def _restore(
         self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int], common: int
@@ -216,6 +286,11 @@ class DraftModel:
         """Restore the longest cached prefix of ``prompt`` in ``ns`` into ``seq`` if it is
         longer than the ``common`` tokens held; how many tokens the sequence holds now."""
         match = store.draft_prefix(ns, prompt, common + 1)
+        if match is not None and match.n_shared < self.ctx.memory.saved_floor(match.row.n_tokens):
+            # A sliding window's row longer than its window resumes at its own length alone
+            # (its masked cells were not saved, ``kvwarm.memory``): a row all of the prompt's.
+            whole = store.draft_whole_rows(ns, prompt)
+            match = next((m for m in whole if m.n_shared > common), None)
         if match is None or match.n_shared <= common:
             return common
         try:
@@ -230,8 +305,7 @@ class DraftModel:
             log.info("draft model: restoring a cached prefix failed (%s); prefilling", exc)
             self.reset(seq)
             return 0
-        keep = min(match.n_shared, len(self.held[seq]))
-        self._trim(seq, keep)
+        keep = self._trim(seq, min(match.n_shared, len(self.held[seq])))
         self.restored_tokens += keep
         if keep > 0:
             store.draft_restored()  # counted only once a row's KV is in (not at the lookup)
@@ -263,7 +337,8 @@ class ModelDrafter:
     """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
 
     __slots__ = (
-        "asked", "budget", "draft_max", "model", "ns", "prompt", "seq", "stopped", "store"
+        "asked", "budget", "draft_max", "model", "ns", "prompt", "read", "seq", "stopped",
+        "store",
     )  # fmt: skip
 
     def __init__(
@@ -281,7 +356,10 @@ class ModelDrafter:
         self.ns = ns
         self.prompt = list(prompt)
         self.draft_max = draft_max
-        self.stopped = False  # the draft model failed: this request decodes plainly
+        #: The draft model failed, or the text holds a token it does not have (a model's
+        #: past its vocabulary, which nothing after can be drafted past): no more drafts.
+        self.stopped = False
+        self.read = 0  # tokens of the text checked for one the draft model does not have
         #: How long a draft is worth, from the acceptance seen (as an n-gram draft's): a
         #: request whose drafts keep failing stops asking the draft model at all.
         self.budget = DraftBudget()
@@ -298,16 +376,23 @@ class ModelDrafter:
         if self.stopped or limit <= 0:
             self.budget.skipped()
             return []
+        text = [*self.prompt, *generated]
+        at = self.model.unreadable(text, self.read)
+        self.read = len(text)
+        if at is not None:
+            log.info(
+                "draft model %s does not have token %d (at %d): this request drafts no more",
+                self.model.path,
+                text[at],
+                at,
+            )
+            self.stopped = True
+            self.budget.skipped()
+            return []
         try:
             first, self.asked = not self.asked, True
             return self.model.propose(
-                self.store,
-                self.seq,
-                self.ns,
-                [*self.prompt, *generated],
-                len(self.prompt),
-                limit,
-                first,
+                self.store, self.seq, self.ns, text, len(self.prompt), limit, first
             )
         except KvwarmError as exc:
             log.warning(
