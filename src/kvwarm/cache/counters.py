@@ -19,6 +19,7 @@ Names in the snapshot:
   waits for a save count none),
   ``hits_draft_prefix`` (a draft model's context restoring a row: not a request's outcome),
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
+  ``saves_retried_after_enospc``, ``saves_spilled``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
   ``chunk_bytes_written``, ``chunks_reused``, ``packs_written``, ``shared_rows_forgotten``,
@@ -77,6 +78,8 @@ BASE_COUNTERS: tuple[str, ...] = (
     "evicted_bytes",
     # saves a full filesystem (ENOSPC) refused, retried once after evicting from their tier
     "saves_retried_after_enospc",
+    # rows larger than their save tier's quota, saved to a later tier instead (store/saves.py)
+    "saves_spilled",
     # shared tiers (cache/upkeep/shared.py): rows found by probing, keys probed, rounds of probes,
     # remote hits copied to a local tier (or not: writer queue full), unreachable stores
     "hits_shared",

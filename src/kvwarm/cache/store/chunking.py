@@ -68,11 +68,14 @@ __all__ = [
     "ChunkRead",
     "Freshness",
     "PlanBook",
+    "RowTooLargeError",
     "chunk_reads",
     "gather_reads",
+    "held_lead",
     "load_chunks",
     "pack_request",
     "plan_lens",
+    "row_size",
     "store_row",
 ]
 
@@ -169,26 +172,68 @@ class PlanBook:
             self._plans.pop(key, None)
 
 
-def pack_request(
+def held_lead(
     request: SaveRequest, tier: Tier, index: Index, lens: tuple[int, ...] | None
-) -> SaveRequest:
-    """``request`` with its payload packed (``request.pack``): from the end of the leading
-    planned chunks (``lens``) the tier already holds, so only what it lacks leaves the
-    context; from 0 when the row is stored whole (``lens`` None)."""
-    assert request.pack is not None
-    start = 0
+) -> list[tuple[int, int]]:
+    """(end position, stored bytes) of each of the leading planned chunks (``lens``) that
+    ``tier`` already holds, in order; [] when the row is stored whole (``lens`` None)."""
+    held: list[tuple[int, int]] = []
     if lens:
         keys = [key for _, key in chain_of(request, lens)]
+        end = 0
         for length, size in zip(lens, index.chunk_sizes(tier.name, keys), strict=True):
             if size is None:
                 break
-            start += length
+            end += length
+            held.append((end, size))
+    return held
+
+
+def pack_request(
+    request: SaveRequest,
+    tier: Tier,
+    index: Index,
+    lens: tuple[int, ...] | None,
+    held: Sequence[tuple[int, int]] | None = None,
+) -> SaveRequest:
+    """``request`` with its payload packed (``request.pack``): from the end of the leading
+    planned chunks (``lens``) the tier already holds (``held``: ``held_lead``'s answer, when
+    the caller has it), so only what it lacks leaves the context; from 0 when the row is
+    stored whole (``lens`` None)."""
+    assert request.pack is not None
+    if held is None:
+        held = held_lead(request, tier, index, lens)
+    start = held[-1][0] if held else 0
     if start >= len(request.tokens) and request.rest is None:
         # Every chunk is there: only the manifest is written.
         payload, first = b"", start
     else:
         payload, first = request.pack(start)
     return replace(request, payload=payload, payload_from=first, pack=None)
+
+
+def row_size(request: SaveRequest, held: Sequence[tuple[int, int]] = ()) -> int:
+    """The bytes a packed ``request`` would occupy in a tier holding ``held`` (its
+    ``held_lead``): the chunks before its payload as stored there, its payload, tokens and
+    logits. An estimate, before the payload is cut: its chunks may add a few bytes each
+    (``store_row``'s check of the cut row is exact: ``RowTooLargeError``)."""
+    stored = sum(size for end, size in held if end <= request.payload_from)
+    return stored + memoryview(request.payload).nbytes + _row_extra(request)
+
+
+def _row_extra(request: SaveRequest) -> int:
+    """What a row holds besides its KV: its tokens and logits."""
+    return 4 * len(request.tokens) + len(request.logits or b"")
+
+
+class RowTooLargeError(CacheError):
+    """A row would occupy more than its tier's quota (``size`` bytes): nothing was written,
+    as no eviction could make room for it. Its save may go to another tier
+    (``saves.Saves``)."""
+
+    def __init__(self, message: str, *, size: int) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 def store_row(
@@ -213,7 +258,7 @@ def store_row(
     names that this process has not written or touched in the last ``REFRESH_AFTER_S`` is
     touched (``_refresh``). ``limit``: the tier's quota; a row that would occupy more (its
     chunks, stored or new, and its manifest) is refused before anything is written, as no
-    eviction could make room for it (``CacheError``)."""
+    eviction could make room for it (``RowTooLargeError``)."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -711,14 +756,15 @@ def _nothing() -> None:
 
 
 def _check_fits(tier: Tier, key: bytes, request: SaveRequest, n_bytes: int, limit: int) -> None:
-    """``CacheError`` when a row of ``n_bytes`` (its KV; its tokens and logits added here)
+    """``RowTooLargeError`` when a row of ``n_bytes`` (its KV; its tokens and logits added here)
     exceeds ``limit``, its tier's quota: found by review, such a save was stored (or its
     room held) first, evicting every other row of the tier, then itself: nothing kept."""
-    total = n_bytes + 4 * len(request.tokens) + len(request.logits or b"")
+    total = n_bytes + _row_extra(request)
     if total > limit:
-        raise CacheError(
+        raise RowTooLargeError(
             f"{tier.name}: {key.hex()} ({total} bytes) is larger than the tier's quota "
-            f"({limit} bytes): not saved"
+            f"({limit} bytes): not saved",
+            size=total,
         )
 
 

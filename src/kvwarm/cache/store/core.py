@@ -512,6 +512,22 @@ class CacheCore:
         quota, _ = self.quota_caps.effective(tier, used)
         self.retire(self.index.enforce_quota(tier.name, quota), count=True)
 
+    def limit(self, tier: Tier) -> int:
+        """``tier``'s effective quota now: the most bytes one row there may occupy."""
+        used, _ = self.index.usage().get(tier.name, (0, 0))
+        return self.quota_caps.effective(tier, used)[0]
+
+    def spill_tiers(self, tier: Tier) -> list[Tier]:
+        """Where a row too large for ``tier``'s quota may be saved instead: the tiers
+        configured after it, in order, that are local to this host (ram, ram_file, a disk
+        directory). A tier that is not (s3, redis, a directory several hosts share) receives
+        only the saves configured to go there: a spill into it would publish rows to every
+        process sharing it and spend its shared quota, which that configuration did not ask
+        for."""
+        names = list(self.tiers)
+        later = names[names.index(tier.name) + 1 :] if tier.name in self.tiers else []
+        return [self.tiers[n] for n in later if self.tiers[n].capabilities.local]
+
     # Evicted beyond a refused save's payload and tokens: its header, a filesystem block.
     ENOSPC_SLACK_BYTES = 4096
 
@@ -531,8 +547,7 @@ class CacheCore:
         other tiers' quotas are enforced after each store."""
         counters = self.counters if count_chunks else None
         hold = None if tier.capabilities.persistent else self._holder(tier)
-        used, _ = self.index.usage().get(tier.name, (0, 0))
-        limit, _ = self.quota_caps.effective(tier, used)
+        limit = self.limit(tier)
         # Other processes sweep its chunks: reused ones are touched before a manifest.
         fresh = self.fresh if self.swept_elsewhere(tier) else None
         try:

@@ -6,13 +6,18 @@ Invariants: a key is marked in flight before ``save`` returns and unmarked when 
 (published, failed or dropped), so ``lookup_exact_or_wait`` never waits for a save that cannot
 come; a save that cannot be packed or queued is dropped (counted and remembered as the row's
 miss reason), never a failed request; a row's prompt text reaches a tier only with
-``CacheConfig.store_prompt_text``; ``flush`` waits for held keys before draining the writer.
+``CacheConfig.store_prompt_text``; ``flush`` waits for held keys before draining the writer;
+a row larger than its save tier's quota is saved, through the same publish protocol, to the
+first tier after it that is local to this host and whose quota holds it (``_place``, then
+``_store`` for what only the writer's exact check finds), never to a tier other processes
+share, and refused only when no such tier holds it (docs/cache.md, "Where a save goes").
 See docs/architecture.md ("Chunks").
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,11 +25,17 @@ from dataclasses import replace
 from kvwarm.cache.explain import MissHistory, MissReason
 from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.index.inflight import Holds
-from kvwarm.cache.protocols import Tier
-from kvwarm.cache.store.chunking import PlanBook, pack_request
+from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.store.chunking import (
+    PlanBook,
+    RowTooLargeError,
+    held_lead,
+    pack_request,
+    row_size,
+)
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.store.writer import WriterPool
-from kvwarm.cache.types import CacheConfig, SaveRequest
+from kvwarm.cache.types import CacheConfig, SaveRequest, TierName
 from kvwarm.errors import CacheError, CacheNetworkError, InvalidRequestError, KvwarmError
 
 __all__ = ["Saves"]
@@ -51,6 +62,8 @@ class Saves:
         self._closed = closed
         self._plans = PlanBook()
         self._holds = Holds()
+        self._said: set[tuple[TierName, TierName]] = set()  # (save, spill) tiers said at INFO
+        self._said_lock = threading.Lock()
 
     def hold(self, key: bytes) -> None:
         self._holds.take()
@@ -83,31 +96,32 @@ class Saves:
         lens = self._plans.plan(key, request, self._core.index, self._config.chunk_tokens)
         if lens is not None:
             request = replace(request, chunk_lens=lens)
-        if request.pack is not None:
-            try:
-                request = pack_request(request, tier, self._core.index, lens)
-            except (KvwarmError, MemoryError) as exc:
-                # The backend could not copy the state out (llama.cpp refused, no memory for
-                # the blob): a dropped save, never a failed request or a dead worker.
-                self._plans.done(key)
-                log.warning("%s save dropped: packing failed: %s", request.reason.name, exc)
-                self._history.gone(
-                    request.namespace, key, request.tokens, MissReason.SAVE_DROPPED,
-                    request.tier, "pack_failed",
-                )  # fmt: skip
-                self._core.counters.incr("save_failures")
-                self._core.counters.incr("saves_dropped")
-                return None
-            except BaseException:
-                self._plans.done(key)
-                raise
+        save_tier = tier.name
+        try:
+            # A row larger than its save tier's quota goes to the next tier that can hold it.
+            tier, request = self._place(tier, request, lens)
+        except (KvwarmError, MemoryError) as exc:
+            # The backend could not copy the state out (llama.cpp refused, no memory for
+            # the blob): a dropped save, never a failed request or a dead worker.
+            self._plans.done(key)
+            log.warning("%s save dropped: packing failed: %s", request.reason.name, exc)
+            self._history.gone(
+                request.namespace, key, request.tokens, MissReason.SAVE_DROPPED,
+                request.tier, "pack_failed",
+            )  # fmt: skip
+            self._core.counters.incr("save_failures")
+            self._core.counters.incr("saves_dropped")
+            return None
+        except BaseException:
+            self._plans.done(key)
+            raise
         planned = request
         self._core.index.mark_in_flight(key)
         self._history.saving(key, request.namespace, request.tokens, request.tier)
 
         def job() -> bool:
             try:
-                return self._run_save(key, planned, tier)
+                return self._run_save(key, planned, tier, save_tier)
             finally:
                 self._plans.done(key)
                 self._history.saved(key)
@@ -128,6 +142,81 @@ class Saves:
             return None
         return key
 
+    def _place(
+        self, tier: Tier, request: SaveRequest, lens: tuple[int, ...] | None
+    ) -> tuple[Tier, SaveRequest]:
+        """The tier a save goes to, and its request packed for it (``request.pack``: only
+        what that tier lacks). Its save tier, unless the row is larger than that tier's
+        quota: then the first of ``CacheCore.spill_tiers`` whose quota holds it, its payload
+        packed again when that tier lacks leading chunks the save tier had (a conversation
+        whose next turn outgrew the ram tier). None can: its save tier, which refuses it.
+        On the saving (worker) thread, so against the configured quotas only: a file tier's
+        effective quota asks its filesystem (``statvfs``: an NFS mount can hang), which the
+        writer does (``_store``)."""
+        index = self._core.index
+        unpacked = request
+        held: list[tuple[int, int]] = []
+        if request.pack is not None:
+            held = held_lead(request, tier, index, lens)
+            request = pack_request(request, tier, index, lens, held)
+        size = row_size(request, held)
+        if size <= tier.quota_bytes:
+            return tier, request
+        for other in self._core.spill_tiers(tier):
+            if size > other.quota_bytes:
+                continue
+            if request.payload_from and unpacked.pack is not None:
+                there = held_lead(unpacked, other, index, lens)
+                if request.payload_from > (there[-1][0] if there else 0):
+                    request = unpacked  # the save tier's tail is freed before a new pack
+                    request = pack_request(unpacked, other, index, lens, there)
+            return other, replace(request, tier=other.name)
+        return tier, request
+
+    def _spilled(self, save_tier: TierName, row: StoredRow) -> None:
+        """A row larger than its save tier's quota was published in a later tier: counted,
+        and said at INFO the first time each pair of tiers sees it, at DEBUG after (a long
+        context outgrows a tier turn after turn: one line, not a warning a save)."""
+        self._core.counters.incr("saves_spilled")
+        pair = (save_tier, row.info.tier)
+        with self._said_lock:
+            first = pair not in self._said
+            self._said.add(pair)
+        log.log(
+            logging.INFO if first else logging.DEBUG,
+            "%s: row %s (%d tokens) is larger than the tier's quota: saved to %s instead%s",
+            save_tier,
+            row.info.key.hex(),
+            row.info.n_tokens,
+            row.info.tier,
+            " (said once per tier; counted in saves_spilled)" if first else "",
+        )
+
+    def _store(self, key: bytes, request: SaveRequest, tier: Tier) -> tuple[Tier, StoredRow | None]:
+        """``CacheCore.store_row`` into ``tier``, and the tier that took the row. A row its
+        exact check finds larger than the effective quota (``_place`` estimated it before
+        its payload was cut, against the configured quota, which a filesystem short of room
+        or a memory budget may have cut since) goes to the first of
+        ``CacheCore.spill_tiers`` that holds it, where its payload serves that tier; else
+        the refusal stands."""
+        chunk_tokens = self._config.chunk_tokens
+        try:
+            return tier, self._core.store_row(key, request, tier, chunk_tokens)
+        except RowTooLargeError as exc:
+            for other in self._core.spill_tiers(tier):
+                if exc.size > self._core.limit(other):
+                    continue
+                try:
+                    row = self._core.store_row(
+                        key, replace(request, tier=other.name), other, chunk_tokens
+                    )
+                except CacheError as why:
+                    log.info("%s: %s not spilled to %s: %s", tier.name, key.hex(), other.name,
+                             why)  # fmt: skip
+                    continue
+                return other, row
+            raise
+
     def _dropped(self, key: bytes, request: SaveRequest, why: str) -> None:
         """A save that will not publish: remembered as the row's miss reason, no longer in
         flight."""
@@ -136,11 +225,11 @@ class Saves:
         )
         self._core.index.clear_in_flight(key)
 
-    def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
+    def _run_save(self, key: bytes, request: SaveRequest, tier: Tier, save_tier: TierName) -> bool:
         t0 = time.perf_counter()
         published = False
         try:
-            row = self._core.store_row(key, request, tier, self._config.chunk_tokens)
+            tier, row = self._store(key, request, tier)
             published = True
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
@@ -165,6 +254,8 @@ class Saves:
         if row is None:  # another writer had it reserved or published: fine if it is there now
             return key in self._core.index
         self._core.counters.record_save(request.reason)
+        if tier.name != save_tier:
+            self._spilled(save_tier, row)
         self._core.retain(tier, row, self._config.state_history)
         self._core.enforce_quota(tier)
         return True
