@@ -380,6 +380,27 @@ def test_a_removal_that_leaves_cells_behind_is_caught(
     assert held(model) == 0
 
 
+def test_a_window_left_short_by_a_verify_pass_is_caught(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp gives a verify pass's later ubatch a cell that the draft's earlier rows masked
+    (``find_slot`` masks by the sequence's current last position): after the rejected part is
+    removed, the window lacks positions the next token attends to, and llama.cpp reports it
+    only by a higher ``seq_pos_min`` (``test_speculative_model``, the backend test). The
+    rollback's check must see it: it asked ``live_floor`` of the ``keep`` tokens left, which is
+    never above ``keep``, so it could not fail and the request decoded on with a short window."""
+    window = 128  # the stub copies what its window shows
+    cfg = spec_config(backend=copier(memory_kind="swa", n_swa=window))
+    model = engine.load_model(config=replace(cfg, context=replace(cfg.context, swa_full=True)))
+    ctx = model._worker.rt.ctx
+    # What llama.cpp reports after a verify pass that lost its window's two lowest cells.
+    short = lambda seq: max(0, ctx.seq_pos_max(seq) + 3 - window)  # noqa: E731
+    monkeypatch.setattr(ctx, "seq_pos_min", short)
+    with pytest.raises(StateRestoreError, match="rejected draft"):
+        model.complete(PROMPT, SAMPLED)
+    assert held(model) == 0 and model.status().active == 0
+
+
 # ---- batching, cancellation ----------------------------------------------------------------
 
 
