@@ -549,6 +549,62 @@ def test_sliding_window_model_speculates_inside_its_window_exactly(tiny_swa: str
     assert 0 < spec.stats.accepted_tokens <= 32 - len(prompt)  # drafts only inside the window
 
 
+def _window_after_verify(path: str, how: str, n_ubatch: int = 128) -> int:
+    """The verifying sequence's lowest SWA position once a 9-row verify pass (positions
+    100..108, all but its first row rejected) is rolled back, in a unified full-size window
+    (32 tokens) whose head crawls over that sequence's masked cells: another sequence refilled
+    a cleared one's hole and went on past it, as a slot seated after another's reply does.
+    ``how``: "after" (another sequence's pass once the rollback is done: kvwarm's order),
+    "before" (that pass between verify and rollback), "split" (the pass shares the verify's
+    call ahead of its rows, over ubatches of ``n_ubatch``)."""
+    from kvwarm.backends.llama.model import LlamaBackend
+
+    bmodel = LlamaBackend().load_model(path)
+    params = ContextParams(
+        n_ctx=512, n_batch=128, n_ubatch=n_ubatch, n_seq_max=3, n_threads=1,
+        flash_attn="on", swa_full=True,
+    )  # fmt: skip
+    ctx = bmodel.new_context(params)
+    try:
+        a, b, c = 0, 1, 2
+        toks = [(7 * i) % 100 + 3 for i in range(300)]
+        ctx.prefill(c, toks[:100], 0)  # cells 0..99
+        ctx.prefill(a, toks[:100], 0)  # cells 100..199
+        ctx.prefill(b, toks[:40], 0)  # cells 200..239
+        ctx.seq_rm(c, 0, -1)
+        for i in range(40, 200):  # the hole, then A's masked cells up to its position 59
+            ctx.decode([BatchToken(toks[i], i, b, True)])
+        verify = [BatchToken(toks[100 + j], 100 + j, a, True) for j in range(9)]
+        other = [BatchToken(toks[200 + j], 200 + j, b, j == 7) for j in range(8)]
+        ctx.decode(other[:5] + verify if how == "split" else verify)
+        if how == "before":
+            ctx.decode(other)
+        ctx.seq_rm(a, 101, -1)
+        if how == "after":
+            ctx.decode(other)
+        assert ctx.seq_pos_max(a) == 100
+        return ctx.seq_pos_min(a)
+    finally:
+        ctx.close()
+        bmodel.close()
+
+
+def test_a_verify_pass_keeps_its_window_only_as_kvwarm_orders_it(tiny_swa: str) -> None:
+    """What speculation in a full-size window rests on (``docs/internals.md``, "Speculative
+    decoding"): llama.cpp's ``find_slot`` frees a cell masked by its sequence's *current* last
+    position, so while a verify pass's draft is held its earlier cells look free. Another
+    sequence's tokens placed then, or the pass's own later ubatch, take cells the window
+    needs once the rejected draft is removed (llama.cpp then drops the sequence's positions
+    up to them: ``seq_pos_min`` rises, nobody's KV is attended in their place). kvwarm rolls
+    back right after the call whose last rows are the pass, before any other call, and keeps
+    a pass within one ubatch (``Tick._run_call``): the window is whole, position 101 needs
+    ``[69, 101)``. If "before" or "split" starts keeping it too, llama.cpp changed."""
+    assert _window_after_verify(tiny_swa, "after") <= 101 - 32
+    assert _window_after_verify(tiny_swa, "split", n_ubatch=128) <= 101 - 32
+    assert _window_after_verify(tiny_swa, "before") > 101 - 32
+    assert _window_after_verify(tiny_swa, "split", n_ubatch=8) > 101 - 32
+
+
 def test_f32_and_f16_adapters_requests_decode_plainly_and_a_q8_0_adapters_speculate(
     tmp_path: Path,
 ) -> None:

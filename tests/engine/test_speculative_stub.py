@@ -380,6 +380,27 @@ def test_a_removal_that_leaves_cells_behind_is_caught(
     assert held(model) == 0
 
 
+def test_a_window_left_short_by_a_verify_pass_is_caught(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp gives a verify pass's later ubatch a cell that the draft's earlier rows masked
+    (``find_slot`` masks by the sequence's current last position): after the rejected part is
+    removed, the window lacks positions the next token attends to, and llama.cpp reports it
+    only by a higher ``seq_pos_min`` (``test_speculative_model``, the backend test). The
+    rollback's check must see it: it asked ``live_floor`` of the ``keep`` tokens left, which is
+    never above ``keep``, so it could not fail and the request decoded on with a short window."""
+    window = 128  # the stub copies what its window shows
+    cfg = spec_config(backend=copier(memory_kind="swa", n_swa=window))
+    model = engine.load_model(config=replace(cfg, context=replace(cfg.context, swa_full=True)))
+    ctx = model._worker.rt.ctx
+    # What llama.cpp reports after a verify pass that lost its window's two lowest cells.
+    short = lambda seq: max(0, ctx.seq_pos_max(seq) + 3 - window)  # noqa: E731
+    monkeypatch.setattr(ctx, "seq_pos_min", short)
+    with pytest.raises(StateRestoreError, match="rejected draft"):
+        model.complete(PROMPT, SAMPLED)
+    assert held(model) == 0 and model.status().active == 0
+
+
 # ---- batching, cancellation ----------------------------------------------------------------
 
 
@@ -426,6 +447,45 @@ def test_one_verify_pass_a_call_its_rows_last(engine: Engine) -> None:
         model.evict()
         alone = model.complete(prompt, GREEDY, spec_type="none")
         assert done.completion_tokens == alone.completion_tokens
+
+
+def test_a_sliding_windows_verify_pass_is_never_split_over_ubatches(engine: Engine) -> None:
+    """A full-size window (``swa_full``), calls of up to 64 tokens in ubatches of 16: a verify
+    pass split over two ubatches let llama.cpp give the later one a cell masked only for the
+    draft's earlier rows, which the window needs again once the rejected part is removed (on
+    a tiny Gemma 3 its next logits then differed from a fresh context's by 0.78, where a pass
+    in one ubatch differed by cell order's 0.11: ``test_speculative_model``). So every verify
+    pass lies within one ubatch: a draft is shorter than a ubatch, and a pass that would
+    straddle a boundary runs in a call of its own. Replies stay what each request gets alone."""
+    ub = 16
+    cfg = spec_config(n_parallel=3, backend=copier(memory_kind="swa", n_swa=128))
+    cfg = replace(cfg, context=replace(cfg.context, swa_full=True, n_ubatch=ub))
+    long_prompt = f"Other: {PASSAGE * 6}Again: The quick"
+    wanted = [(PROMPT, GREEDY), (long_prompt, SAMPLED), (f"Third {PROMPT}", SAMPLED)]
+    alone = []
+    for prompt, opts in wanted:
+        with make_engine() as other:
+            plain = other.load_model(config=cfg)
+            alone.append(plain.complete(prompt, opts, spec_type="none"))
+    model = engine.load_model(config=cfg)
+    batches: list[list[BatchToken]] = []
+    rt = model._worker.rt
+    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
+    first = model.stream(PROMPT, GREEDY)
+    next(iter(first))  # it generates before the others are admitted
+    streams = [first, *(model.stream(p, o) for p, o in wanted[1:])]
+    for stream, plain in zip(streams, alone, strict=True):
+        assert stream.result().completion_tokens == plain.completion_tokens
+    verifying = shared = 0
+    for batch in batches:
+        rows = Counter(t.seq for t in batch if t.logits)
+        drafts = [seq for seq, count in rows.items() if count > 1]
+        if drafts:
+            verifying += 1
+            start = len(batch) - rows[drafts[0]]
+            assert start // ub == (len(batch) - 1) // ub, "a verify pass spans two ubatches"
+            shared += start > 0
+    assert verifying > 3 and shared > 0
 
 
 def test_a_slot_prefills_beside_verify_passes(engine: Engine) -> None:

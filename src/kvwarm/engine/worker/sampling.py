@@ -145,7 +145,12 @@ class Sampling:
         ctx.seq_rm(slot.seq, keep, -1)
         held = ctx.seq_pos_max(slot.seq)
         mem = self.rt.memory
-        if held != keep - 1 or mem.live_floor(keep, ctx.seq_pos_min(slot.seq)) > keep:
+        # Asked of the state the pass left (``top + 1`` tokens), as the draft model's trim
+        # does: ``live_floor(keep, ...)`` is never above ``keep`` (a state resumes at its own
+        # length), so this check could not fail. A window that lost cells during the pass
+        # (llama.cpp reuses a cell masked for the draft's later rows: a verify split over
+        # ubatches) must fail here, not decode on with positions missing.
+        if held != keep - 1 or mem.live_floor(top + 1, ctx.seq_pos_min(slot.seq)) > keep:
             raise StateRestoreError(
                 f"removing a rejected draft left seq {slot.seq} holding up to position {held}, "
                 f"not a state of its first {keep} tokens ({mem.describe()} memory)"

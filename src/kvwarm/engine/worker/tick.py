@@ -206,6 +206,8 @@ class Tick:
         ahead = rt.memory.lookahead(n)
         if ahead is not None:
             limit = min(limit, ahead - 1)
+        if rt.memory.kind == "swa" and not rt.memory.trimmable:
+            limit = min(limit, rt.cfg.n_ubatch - 1)  # its pass fits one ubatch (``_run_call``)
         if limit <= 0:
             return 0
         # ``end``: the request stops right after these rows (its max_tokens, its window).
@@ -301,6 +303,15 @@ class Tick:
                 batch.append(BatchToken(token, n + 1 + j, slot.seq, True))
         return batch, rows
 
+    def _splits_verify(self, n_batch: int, n_rows: int) -> bool:
+        """Whether the last ``n_rows`` of a call of ``n_batch`` tokens (a verify pass) would
+        span two of llama.cpp's ubatches (a unified buffer splits a call in order, every
+        ``n_ubatch`` tokens) in a sliding-window memory; elsewhere a split changes no cell."""
+        mem, ub = self.rt.memory, self.rt.cfg.n_ubatch
+        if mem.kind != "swa" or mem.trimmable or not self.rt.ctx.params.kv_unified:
+            return False
+        return (n_batch - n_rows) // ub != (n_batch - 1) // ub
+
     def _drafting(self, i: int) -> bool:
         """Whether slot ``i`` verifies a draft in this tick's pass."""
         act = self.rt.slots[i].active
@@ -330,6 +341,15 @@ class Tick:
             return
         batch, rows = self._batch(decode_slots, chunks)
         if not batch:
+            return
+        verify = 1 + len(self._active(drafting[0]).draft) if drafting else 0
+        if len(batch) > verify > 0 and self._splits_verify(len(batch), verify):
+            # A sliding window's verify pass split over two ubatches: llama.cpp places the
+            # later ubatch as if the earlier one's draft rows were kept (a cell masked for
+            # them is free), so a cell the window needs once the rejected part is removed
+            # could be given away. The pass then runs in a call of its own.
+            self._run_call([i for i in decode_slots if i != drafting[0]], chunks)
+            self._run_call((drafting[0],), ())
             return
         try:
             act = rows[0][0].active
