@@ -133,3 +133,22 @@ def test_the_line_stops_are_checked_before_a_stop_string(client: TestClient) -> 
     word = _post(client, "/completion", False, n_indent=4, stop=["b"])
     assert word["content"] == "    a\n    " and word["stop_type"] == "word"
     assert word["stopping_word"] == "b"
+
+
+@pytest.mark.usefixtures("ticking")
+def test_openai_completions_take_the_line_stops_as_llama_servers_does(client: TestClient) -> None:
+    """llama-server's /v1/completions reads both line stops too (its params_from_json_cmpl is
+    every completion route's): there they were ignored as unknown fields."""
+    body = {"model": "fim", "prompt": "def f():\n", "grammar": GRAMMAR, "temperature": 0}
+    body["max_tokens"] = 64
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"][0]["text"] == MIDDLE
+    cut = client.post("/v1/completions", json={**body, "n_indent": 4}).json()
+    assert cut["choices"][0]["text"] == KEPT
+    assert cut["choices"][0]["finish_reason"] == "length"
+    grammar = "root ::= " + json.dumps("a\nbc\nd\n")
+    # Tokens a second apart (``ticking``): the newline at 4 s is the first past 1.5 s.
+    timed = client.post(
+        "/v1/completions", json={**body, "grammar": grammar, "t_max_predict_ms": 1500}
+    ).json()
+    assert timed["choices"][0]["text"] == "a\nbc\n"

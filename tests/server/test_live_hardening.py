@@ -92,6 +92,8 @@ def test_every_api_sampling_option_has_a_case() -> None:
         "echo",
         "response_format",
         "best_of",  # live: test_best_of_is_served below
+        "n_indent",  # live: test_the_line_stops_are_served below
+        "t_max_predict_ms",
     }
     assert set(ChatRequest.model_fields) - set(SamplingFields.model_fields) == {
         "messages",
@@ -121,6 +123,22 @@ def test_each_sampling_option_is_served(http: httpx.Client, option: str) -> None
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, option: value}
     response = http.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200, response.text
+
+
+def test_the_line_stops_are_served(http: httpx.Client) -> None:
+    """llama-server's line stops on /v1/completions on the real model: a reply cut by
+    ``n_indent`` is the start of the plain reply; a time limit of 1 ms ends the reply at its
+    first newline (what each cuts: test_fim_line_stops_stub.py, test_line_stops_model.py)."""
+    body = {"prompt": "def add(a, b):\n", "max_tokens": 24, "temperature": 0}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    for extra in ({"n_indent": 8}, {"t_max_predict_ms": 1}):
+        response = http.post("/v1/completions", json={**body, **extra})
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["text"]
+        assert plain.startswith(text), (extra, text, plain)
+    timed = http.post("/v1/completions", json={**body, "t_max_predict_ms": 1}).json()
+    text = timed["choices"][0]["text"]
+    assert "\n" not in plain or text == plain[: plain.index("\n") + 1]
 
 
 def test_a_chat_prediction_is_served(http: httpx.Client) -> None:

@@ -120,6 +120,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 },
             },
             {"model": "fim", "prompt": "x", "suffix": "y", "max_tokens": 2},
+            {"model": "a", "prompt": "x", "max_tokens": 2, "n_indent": 4, "t_max_predict_ms": 9},
         ],
     ),
     "/v1/chat/completions": (

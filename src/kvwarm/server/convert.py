@@ -25,7 +25,7 @@ from kvwarm.engine.types import (
 )
 from kvwarm.errors import InvalidRequestError
 from kvwarm.server.errors import HTTPError, rename_param
-from kvwarm.server.schemas import LlamaFields, ResponseFormat, SamplingFields
+from kvwarm.server.schemas import LineStops, ResponseFormat, SamplingFields
 from kvwarm.server.tools import CallGrammar, ToolCall
 
 Json = dict[str, object]
@@ -80,7 +80,7 @@ def options(
     constrains the whole reply itself (``grammar``, a response format). ``preserved``: the
     special tokens whose text the reply keeps (``ChatPlan.preserved``: tool-call markers).
     ``prediction``: chat's predicted output, as text (``GenerationOptions.prediction``).
-    A body in llama-server's shape (``LlamaFields``) brings its line stops too."""
+    A body that takes llama-server's line stops (``LineStops``) brings them too."""
     # Every stop string as sent: an empty one is the engine's 400 naming the field
     # (``GenerationOptions.validate``), not a string silently dropped.
     stop: tuple[str, ...] = ()
@@ -135,7 +135,7 @@ def options(
             # A reply that may not end (ignore_eos) is free again after its call instead.
             "grammar_once": calls.once and not req.ignore_eos,
         }
-    if isinstance(req, LlamaFields):  # 0 or below is off, as llama-server reads them
+    if isinstance(req, LineStops):  # 0 or below is off, as llama-server reads them
         overrides["n_indent"] = max(0, req.n_indent)
         overrides["t_max_predict_ms"] = max(0, req.t_max_predict_ms)
     for name in SAMPLING_OPTIONS:

@@ -252,7 +252,16 @@ class ResponseFormat(_Body):
     schema_: dict[str, object] | None = Field(default=None, alias="schema")  # llama.cpp style
 
 
-class CompletionRequest(SamplingFields):
+class LineStops(SamplingFields):
+    """llama-server's line stops of code completion (llama.vim's, llama.vscode's), which its
+    ``/infill``, ``/completion`` and ``/v1/completions`` read: 0 or below is off, as
+    llama-server reads them (``GenerationOptions.n_indent``, ``t_max_predict_ms``)."""
+
+    n_indent: JsonInt = 0
+    t_max_predict_ms: JsonInt = -1
+
+
+class CompletionRequest(LineStops):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
     # OpenAI's: this many candidates per prompt (n at least; the model's n_parallel caps it,
@@ -268,7 +277,7 @@ class ExtraChunk(_Body):
     filename: str = "tmp"
 
 
-class LlamaFields(SamplingFields):
+class LlamaFields(LineStops):
     """llama-server's own fields of a generation in its shape (``/infill``, ``/completion``)."""
 
     n_predict: JsonInt | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
@@ -277,10 +286,6 @@ class LlamaFields(SamplingFields):
     n_probs: JsonInt = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
     response_fields: list[str] | None = Field(default=None, max_length=256)
-    # llama-server's line stops of code completion (llama.vim's, llama.vscode's); 0 or
-    # below: off, as llama-server reads them (``GenerationOptions.n_indent``, ...).
-    n_indent: JsonInt = 0
-    t_max_predict_ms: JsonInt = -1
 
 
 class InfillRequest(LlamaFields):
