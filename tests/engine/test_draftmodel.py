@@ -19,7 +19,7 @@ from kvwarm.backends.base import ContextParams
 from kvwarm.backends.stub import StubBackend
 from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker.draftmodel import DraftModel
+from kvwarm.engine.worker.draftmodel import USED_MAX, DraftModel
 
 WINDOW = 16
 NS = Namespace(b"d" * 32, 1, b"c" * 32)
@@ -184,3 +184,24 @@ def test_a_sliding_window_draft_model_gets_a_full_size_window() -> None:
         spec = model.complete(prompt, opts, cache_salt="draft")
         assert spec.completion_tokens == plain.completion_tokens
         assert spec.stats.accepted_tokens > 10
+
+
+def test_the_namespaces_a_draft_model_used_are_the_latest_and_bounded() -> None:
+    """``used`` (which rows are the drafting model's in ``/cache/stats``): its own namespace
+    and the salted ones requests drafted under, the latest ``USED_MAX`` only, so a client
+    sending a new salt each request grows nothing without bound (found by review: ownerkey)."""
+    dm = _draft_model(StubBackend())
+    try:
+        assert dm.used() == {NS}
+        assert dm.namespace_for(None) == NS
+        first = dm.namespace_for(b"0")
+        for i in range(1, USED_MAX):
+            dm.namespace_for(str(i).encode())
+        assert first in dm.used() and len(dm.used()) == USED_MAX + 1
+        dm.namespace_for(b"0")  # used again: the latest now
+        last = dm.namespace_for(b"new")
+        used = dm.used()
+        assert len(used) == USED_MAX + 1 and {NS, first, last} <= used
+        assert dm.namespace_for(b"1") not in used  # the oldest went
+    finally:
+        dm.close()

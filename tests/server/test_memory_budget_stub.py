@@ -12,10 +12,11 @@ from fastapi.testclient import TestClient
 from tests.server.conftest import stub_settings, wait_ready
 
 from kvwarm.backends.stub import STUB_WEIGHTS_BYTES
-from kvwarm.cache.types import TierConfig
+from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TierConfig, TtlClass
+from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import ConfigError, MemoryBudgetError
 from kvwarm.server import create_app
-from kvwarm.server.budget import ModelMemory, plan
+from kvwarm.server.budget import CacheOwner, ModelMemory, cache_shares, plan
 from kvwarm.server.errors import kind_of
 from kvwarm.settings import ModelSpec, add_settings_arguments, load_settings, settings_flags
 
@@ -248,3 +249,88 @@ def test_a_model_whose_adapters_do_not_fit_is_refused_with_the_budgets_error(
     assert load.json()["error"]["code"] == "memory_budget"
     assert "memory budget 100.0 MiB < weights 112.0 MiB" in load.json()["error"]["message"]
     assert memory["models"] == {} and memory["weights_bytes"] == 0
+
+
+DRAFTED = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_a_draft_models_rows_count_with_the_model_that_drafts_with_them(
+    served: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (ownerkey): rows were a model's by fingerprint alone, so a draft model's
+    rows (its own namespace) were no model's share of the cache, and where its file was also
+    served as a model of its own, they were all that model's. Now a draft model's namespace
+    (salted too) is the drafting model's; the served file keeps its own rows."""
+    # Drafts whatever the timing (one more token costs 5% of a pass).
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+    drafting = (("spec_type", "draft-simple"), ("draft_model", "stub-copy-draft"))
+    models = (ModelSpec(path="stub-copy", id="a", options=drafting),)
+    if served:
+        models += (ModelSpec(path="stub-copy-draft", id="d"),)
+    with TestClient(create_app(stub_settings(models=models))) as c:
+        wait_ready(c.get)
+        state = c.app.state.kvwarm  # type: ignore[attr-defined]
+        cache = state.engine.cache
+
+        def shares() -> tuple[int, dict[str, int]]:
+            assert cache.flush()
+            stats = c.get("/cache/stats").json()
+            ram = int(stats["tiers"]["ram"]["bytes"])
+            return ram, {m: int(v["cache_bytes"]) for m, v in stats["memory"]["models"].items()}
+
+        def complete(model: str, salt: str | None) -> None:
+            body = {"model": model, "prompt": f"Copy this: {DRAFTED * 3}Again: The quick"}
+            salted = {} if salt is None else {"cache_salt": salt}
+            r = c.post("/v1/completions", json={**body, "max_tokens": 24, **salted})
+            assert r.status_code == 200, r.text
+
+        for salt in (None, "tenant"):
+            complete("a", salt)
+        ram, share = shares()
+        draft_fp = state.engine.get_model("a")._draft.namespace.fingerprint
+        drafts = [r for r in cache.rows() if r.namespace.fingerprint == draft_fp]
+        assert len({r.namespace for r in drafts}) == 2  # drafted, salted and not: rows saved
+        assert share["a"] == ram > 0  # every row is a's, its draft model's too
+        if not served:
+            return
+        assert share["d"] == 0  # d served nothing
+        for salt in (None, "tenant"):
+            complete("d", salt)
+        ram, share = shares()
+        assert share["d"] > 0 and share["a"] > 0
+        assert ram - 2 <= share["a"] + share["d"] <= ram  # whole but for rounding
+
+
+def test_a_row_is_its_draft_namespaces_model_then_its_fingerprints_then_a_draft_models() -> None:
+    """``cache_shares``' owner keys, in order: a draft model's namespace exactly, a model's own
+    fingerprints (its adapter sets' too), a draft model's fingerprint (a salted row it no
+    longer remembers): a file served and drafting splits, a salted row of unknown origin
+    staying with the model that serves the file."""
+    f_a, f_d, f_lora, f_x = (bytes([i]) * 32 for i in range(1, 5))
+    draft = Namespace(f_d, 1, b"draft".ljust(32, b"\0"))
+    salted = Namespace(f_d, 1, b"salted".ljust(32, b"\0"))
+    forgotten = Namespace(f_d, 1, b"forgotten".ljust(32, b"\0"))
+    own_d = Namespace(f_d, 1, b"own".ljust(32, b"\0"))
+
+    def row(ns: Namespace, n: int) -> RowInfo:
+        return RowInfo(
+            b"k", "ram", n, 1, 0, 0.0, 0.0, SaveReason.COLD, TtlClass.SHORT, False, ns,
+            logical_bytes=n,
+        )  # fmt: skip
+
+    rows = [
+        row(Namespace(f_a, 1, b"a".ljust(32, b"\0")), 1),
+        row(Namespace(f_lora, 1, b"a".ljust(32, b"\0")), 2),
+        row(draft, 4),
+        row(salted, 8),
+        row(forgotten, 16),
+        row(own_d, 32),
+        row(Namespace(f_x, 1, b"x".ljust(32, b"\0")), 64),  # no loaded model's
+    ]
+    a = CacheOwner(frozenset({f_a, f_lora}), frozenset({draft, salted}))
+    stored = {"ram": 127}
+    served = cache_shares(rows, stored, {"a": a, "d": CacheOwner(frozenset({f_d}))})
+    assert served == {"a": {"ram": 1 + 2 + 4 + 8}, "d": {"ram": 16 + 32}}
+    alone = cache_shares(rows, stored, {"a": a})
+    assert alone == {"a": {"ram": 1 + 2 + 4 + 8 + 16 + 32}}

@@ -487,6 +487,13 @@ class Model:
             seen = list(self._seen)
         return frozenset((*own, *alone, *seen))
 
+    def draft_namespaces(self) -> frozenset[Namespace]:
+        """The namespaces its draft model's cached rows live in, as far as it knows
+        (``DraftModel.used``); none without one. Whole namespaces, not fingerprints: the
+        draft model's file may be served as a model of its own, whose rows are its own."""
+        draft = self._draft
+        return frozenset() if draft is None else draft.used()
+
     def info(self) -> ModelInfo:
         return model_info(
             self.id,

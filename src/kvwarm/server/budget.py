@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from kvwarm.cache.types import RowInfo, TierConfig, TierName
+from kvwarm.cache.types import Namespace, RowInfo, TierConfig, TierName
 from kvwarm.errors import MemoryBudgetError
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MEMORY_TIERS",
+    "CacheOwner",
     "MemoryPlan",
     "ModelMemory",
     "cache_shares",
@@ -185,21 +186,39 @@ def _arithmetic(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class CacheOwner:
+    """Which cached rows are one loaded model's (``cache_shares``): ``fingerprints``, its own
+    namespaces' (``Model.cache_fingerprints``: its file with its projector, its adapter sets),
+    and ``drafts``, its draft model's namespaces (``Model.draft_namespaces``)."""
+
+    fingerprints: frozenset[bytes]
+    drafts: frozenset[Namespace] = frozenset()
+
+
 def cache_shares(
     rows: Sequence[RowInfo],
     stored: Mapping[TierName, int],
-    owners: Mapping[str, Collection[bytes]],
+    owners: Mapping[str, CacheOwner],
 ) -> dict[str, dict[TierName, int]]:
     """Each model's part of each tier's ``stored`` bytes: the tier's bytes apportioned by the
-    KV its rows restore (``RowInfo.logical_bytes``), a row being a model's when its
-    namespace's fingerprint is one of ``owners[model]``. Exact where rows share no chunk;
-    chunks shared by two rows count for both in proportion to their rows."""
+    KV its rows restore (``RowInfo.logical_bytes``). Exact where rows share no chunk; chunks
+    shared by two rows count for both in proportion to their rows.
+
+    A row is, first, the model's whose draft model saved it under that very namespace
+    (``CacheOwner.drafts``), else the model's one of whose ``fingerprints`` its namespace's
+    is, else the model's whose draft model has that fingerprint (a salted row it no longer
+    remembers, or one of an earlier load). Found by review (ownerkey): by fingerprint alone a
+    draft model's rows were no model's, or, its file also served, that model's."""
     total: Counter[TierName] = Counter()
     by_model: dict[str, Counter[TierName]] = {m: Counter() for m in owners}
-    whose = {fp: m for m, fps in owners.items() for fp in fps}
+    exact = {ns: m for m, o in owners.items() for ns in o.drafts}
+    whose = {fp: m for m, o in owners.items() for fp in o.fingerprints}
+    drafted = {ns.fingerprint: m for m, o in owners.items() for ns in o.drafts}
     for row in rows:
         total[row.tier] += row.logical_bytes
-        model = whose.get(row.namespace.fingerprint)
+        ns = row.namespace
+        model = exact.get(ns) or whose.get(ns.fingerprint) or drafted.get(ns.fingerprint)
         if model is not None:
             by_model[model][row.tier] += row.logical_bytes
     return {

@@ -32,7 +32,7 @@ from kvwarm.errors import (
     UnknownModelError,
 )
 from kvwarm.server import budget, tenancy
-from kvwarm.server.budget import ModelMemory
+from kvwarm.server.budget import CacheOwner, ModelMemory
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.lora import LoraChoice, LoraTable
@@ -446,11 +446,12 @@ class ServerState:
         every load of it, the loaded one's live counts included."""
         return self.totals.snapshot(_loaded(list(self.entries.values()))).totals
 
-    def cache_owners(self) -> dict[str, frozenset[bytes]]:
-        """Each loaded model's cache fingerprints (``Model.cache_fingerprints``): which rows
-        are its share of the cache. Models of another process (a cluster's) have none."""
+    def cache_owners(self) -> dict[str, CacheOwner]:
+        """Which rows are each loaded model's share of the cache: its own namespaces'
+        fingerprints (``Model.cache_fingerprints``) and its draft model's namespaces
+        (``Model.draft_namespaces``). Models of another process (a cluster's) have none."""
         engine = self.engine
-        out: dict[str, frozenset[bytes]] = {}
+        out: dict[str, CacheOwner] = {}
         for entry in list(self.entries.values()):
             if entry.state != "ready" or engine is None:
                 continue
@@ -458,7 +459,7 @@ class ServerState:
                 model = engine.get_model(entry.id)
             except KvwarmError:
                 continue
-            out[entry.id] = model.cache_fingerprints()
+            out[entry.id] = CacheOwner(model.cache_fingerprints(), model.draft_namespaces())
         return out
 
     def ready_model(self, model_id: str) -> ServedModel | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 P_MIN = 0.75
 #: A prompt the draft context had to prefill this many tokens of is saved to the cache.
 SAVE_MIN = 32
+#: Salted draft namespaces remembered for ``DraftModel.used`` (the latest; a client choosing
+#: a new salt on every request must not grow it without bound).
+USED_MAX = 4096
 
 
 #: llama.cpp's tolerance of a draft model's vocabulary (``common_speculative_are_compatible``
@@ -171,9 +175,27 @@ class DraftModel:
         #: Prompt tokens restored from the cache rather than prefilled (stats, tests).
         self.restored_tokens = 0
         self.prefilled_tokens = 0
+        #: The salted namespaces requests drafted under, latest last, at most ``USED_MAX``:
+        #: which rows are this draft model's where its file is also served (``used``).
+        self._used: dict[Namespace, None] = {}
+        self._used_lock = threading.Lock()
 
     def namespace_for(self, salt: bytes | None) -> Namespace:
-        return salted_namespace(self.namespace, salt)
+        ns = salted_namespace(self.namespace, salt)
+        if salt is not None:
+            with self._used_lock:
+                self._used.pop(ns, None)
+                self._used[ns] = None
+                if len(self._used) > USED_MAX:
+                    del self._used[next(iter(self._used))]
+        return ns
+
+    def used(self) -> frozenset[Namespace]:
+        """The namespaces its rows live in, as far as it knows (any thread): its own and the
+        ``USED_MAX`` salted ones requests drafted under last. A salt is one-way, so a salted
+        row of another is known only by its namespace."""
+        with self._used_lock:
+            return frozenset((self.namespace, *self._used))
 
     def unreadable(
         self, tokens: Sequence[int], start: int = 0, stop: int | None = None
