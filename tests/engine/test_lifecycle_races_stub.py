@@ -5,7 +5,7 @@ unloaded under them. Every wait is on an event the worker reaches, never on time
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -241,3 +241,39 @@ def test_a_request_cancelled_while_its_row_is_restored_leaves_its_slot_clean(
     assert (status.queued, status.active) == (0, 0)
     monkeypatch.undo()
     assert model.complete(longer, greedy).text == cold
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.stream(PROMPT, max_tokens=2),
+        lambda m: m.submit(PROMPT, max_tokens=2, json_schema={"type": "integer"}),
+        lambda m: m.tokenize(PROMPT),
+        lambda m: m.chat_tokens([{"role": "user", "content": "hi"}]),
+    ],
+    ids=["stream", "submit_schema", "tokenize", "chat_tokens"],
+)
+def test_a_call_that_an_unload_overtakes_is_engine_closed(
+    call: Callable[[Model], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the stress harness (seed 9 of 150, once): a request whose caller had passed
+    the model's ready check when an unload freed the model got the backend's
+    ``HandleClosedError`` ("model is closed", a 500 from the server) from its tokenizing or
+    its grammar's check, not ``EngineClosedError`` (a 503: the model went away). Here the
+    unload runs right after the check passes, on the caller's thread, as a reload's would
+    between two of its lines."""
+    with make_engine() as eng:
+        model = eng.load_model(config=stub_config(n_parallel=1))
+        real = Model._check_ready
+        done = threading.Event()
+
+        def overtaken(self: Model) -> None:
+            real(self)
+            if not done.is_set():
+                done.set()
+                self.unload()
+
+        monkeypatch.setattr(Model, "_check_ready", overtaken)
+        with pytest.raises(EngineClosedError):
+            call(model)
+        assert done.is_set()

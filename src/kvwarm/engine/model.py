@@ -5,7 +5,9 @@ validates on the caller's thread and hands work to the worker (``worker``), the 
 Invariants: every public call either returns or raises a ``KvwarmError`` subclass; a request
 is validated (prompt length, grammar, bias) before it is queued, so the worker only ever sees
 requests it can run; a parent_key wait happens on the caller's thread and never stalls other
-slots (``docs/architecture.md``, "Engine").
+slots (``docs/architecture.md``, "Engine"); a call an unload overtakes on the caller's thread
+(past its ready check, before its use of the native model) raises ``EngineClosedError``, as
+the check would have (``_overtaken_as_closed``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Unpack
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
@@ -99,6 +101,7 @@ from kvwarm.errors import (
     CapabilityError,
     ConfigError,
     EngineClosedError,
+    HandleClosedError,
     InvalidRequestError,
 )
 from kvwarm.media import Audio
@@ -115,6 +118,30 @@ PromptInput = str | Sequence[int] | Prompt | MediaPrompt
 
 
 log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _overtaken_as_closed(
+    method: Callable[Concatenate[Model, _P], _R],
+) -> Callable[Concatenate[Model, _P], _R]:
+    """``method``, which uses the native model on its caller's thread after
+    ``_check_ready``: where an unload freed the model in between, its ``HandleClosedError``
+    is the ``EngineClosedError`` the check would have raised. Found by the stress harness
+    (``tests/engine/test_concurrency_stress_stub.py``): a request racing a reload got
+    "model is closed", a backend error (the server's 500), where the model had gone (503)."""
+
+    @functools.wraps(method)
+    def call(self: Model, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except HandleClosedError as exc:
+            if self._state == "ready":
+                raise
+            raise EngineClosedError(f"model {self.id!r} is {self._state}") from exc
+
+    return call
 
 
 class Model:
@@ -578,6 +605,7 @@ class Model:
 
     # ---- text ---------------------------------------------------------------------------
 
+    @_overtaken_as_closed
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
@@ -588,15 +616,18 @@ class Model:
             parse_special=check_flag(parse_special, "parse_special"),
         )
 
+    @_overtaken_as_closed
     def detokenize(self, tokens: Sequence[int]) -> str:
         self._check_ready()
         return self._bmodel.detokenize(_token_ids(tokens))
 
+    @_overtaken_as_closed
     def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         self._check_ready()
         bmodel = self._bmodel
         return [bmodel.token_to_piece(t, special=True) for t in _token_ids(tokens)]
 
+    @_overtaken_as_closed
     def apply_chat_template(
         self,
         messages: Sequence[Message],
@@ -637,6 +668,7 @@ class Model:
     ) -> Completion:
         return self.submit(prompt, options, **overrides).result()
 
+    @_overtaken_as_closed
     def stream(
         self,
         prompt: PromptInput,
@@ -648,6 +680,7 @@ class Model:
         tokens, text = self._prompt_tokens(prompt, opts)
         return self._submit(tokens, opts, text)
 
+    @_overtaken_as_closed
     def submit(
         self,
         prompt: PromptInput,
@@ -661,6 +694,7 @@ class Model:
         tokens, text = self._prompt_tokens(prompt, opts)
         return self._submit(tokens, opts, text, fragments=False)
 
+    @_overtaken_as_closed
     def streams(
         self,
         prompt: PromptInput,
@@ -678,6 +712,7 @@ class Model:
         tokens, text = self._prompt_tokens(prompt, opts)
         return self._submit_n(tokens, opts, text, n, fragments)
 
+    @_overtaken_as_closed
     def chat_streams(
         self,
         messages: Sequence[Message],
@@ -708,6 +743,7 @@ class Model:
         prompt, text = self._prefilled_chat(messages, tools, prefill)
         return self._submit(prompt, opts, text, fragments=False).result()
 
+    @_overtaken_as_closed
     def stream_chat(
         self,
         messages: Sequence[Message],
@@ -736,6 +772,7 @@ class Model:
         tail = self._bmodel.tokenize(prefill, add_special=False, parse_special=False)
         return prompt.extended(tail), text + prefill
 
+    @_overtaken_as_closed
     def prewarm(
         self,
         prompt: PromptInput,
@@ -794,6 +831,7 @@ class Model:
             )
         return stats
 
+    @_overtaken_as_closed
     def prewarm_chat(
         self,
         messages: Sequence[Message],
@@ -887,6 +925,7 @@ class Model:
                 )
         return mp
 
+    @_overtaken_as_closed
     def chat_tokens(
         self,
         messages: Sequence[Message],
@@ -909,6 +948,7 @@ class Model:
             )
         return prompt.prompt.tokens, text
 
+    @_overtaken_as_closed
     def count_chat_tokens(
         self,
         messages: Sequence[Message],
@@ -920,6 +960,7 @@ class Model:
         prompt, _ = self._prefilled_chat(messages, tools, prefill)
         return len(prompt.prompt.tokens)
 
+    @_overtaken_as_closed
     def chat_prompt(
         self,
         messages: Sequence[Message],
@@ -957,6 +998,7 @@ class Model:
         fragments = check_flag(fragments, "fragments")
         return [s.keep(self) for s in self._submitter.group(prompt, opts, text, n, fragments)]
 
+    @_overtaken_as_closed
     def infill_tokens(
         self,
         prefix: str,
@@ -1007,6 +1049,7 @@ class Model:
 
     # ---- embeddings ---------------------------------------------------------------------
 
+    @_overtaken_as_closed
     def embed(
         self,
         inputs: str | Sequence[str | Sequence[int]],
@@ -1036,6 +1079,7 @@ class Model:
 
     # ---- reranking ----------------------------------------------------------------------
 
+    @_overtaken_as_closed
     def rerank(
         self,
         query: str,
