@@ -605,6 +605,61 @@ def test_a_verify_pass_keeps_its_window_only_as_kvwarm_orders_it(tiny_swa: str) 
     assert _window_after_verify(tiny_swa, "split", n_ubatch=8) > 101 - 32
 
 
+@pytest.mark.parametrize("other_rows", [1, 5])
+def test_a_verify_pass_split_in_its_own_stream_keeps_its_window(
+    tiny_swa: str, other_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-sequence streams (``kv_unified`` false): llama.cpp splits a call over its
+    sequences in equal parts (``split_equal``, consecutive sequence ids), so a 9-row verify
+    pass of sequence 1 beside sequence 0's decode row or 5-token chunk is split, its later
+    rows placed while the earlier ones are held (``find_slot`` logs sequence 1 holding up to
+    position 100 or 104). In a stream of its own that takes no cell the window needs: the
+    stream holds this sequence alone, its cells in position order from cell 0 and never more
+    positions than cells, so the later part meets empty cells past the head (here after an
+    earlier, longer reply was trimmed back and with the other sequence decoding before the
+    rollback). The window stays whole and the next logits are a fresh context's (a cell
+    lost in a unified buffer: 0.78). kvwarm sends no verify pass to such a context at all
+    (``test_per_sequence_streams_never_hold_a_verify_pass``); if that changes, this is why
+    ``Tick._splits_verify`` may keep guarding the unified buffer alone."""
+    import re
+
+    from kvwarm.backends.llama import native
+    from kvwarm.backends.llama.model import LlamaBackend
+
+    monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", "1")  # find_slot logs each placement
+    bmodel = LlamaBackend().load_model(tiny_swa)
+    params = ContextParams(
+        n_ctx=768, n_batch=128, n_ubatch=128, n_seq_max=3, n_threads=1, flash_attn="on",
+        swa_full=True, kv_unified=False,
+    )  # fmt: skip
+    toks = [(7 * i) % 100 + 3 for i in range(300)]
+    b, a = 0, 1
+    ctx = bmodel.new_context(params)
+    fresh = bmodel.new_context(replace(params, n_ctx=256, n_seq_max=1))
+    try:
+        ctx.prefill(a, toks[:150], 0)
+        ctx.seq_rm(a, 100, -1)  # an earlier, longer reply trimmed back
+        ctx.prefill(b, toks[:40], 0)
+        verify = [BatchToken(toks[100 + j], 100 + j, a, True) for j in range(9)]
+        other = [BatchToken(toks[200 + j], 40 + j, b, True) for j in range(other_rows)]
+        with native.captured_log() as lines:
+            ctx.decode(other + verify)
+        held = re.findall(r"stream\[1\] min\[1\] = +\d+, max\[1\] = +(\d+)", "".join(lines))
+        assert str(99 + other_rows) in held, held  # the pass's later part placed on its own
+        ctx.decode([BatchToken(toks[250], 40 + other_rows, b, True)])
+        ctx.seq_rm(a, 101, -1)
+        assert (ctx.seq_pos_min(a), ctx.seq_pos_max(a)) == (0, 100)
+        ctx.decode([BatchToken(toks[101], 101, a, True)])
+        got = np.frombuffer(ctx.logits(-1), dtype=np.float32).copy()
+        fresh.prefill(0, toks[:102], 0)
+        want = np.frombuffer(fresh.logits(-1), dtype=np.float32)
+        assert float(np.max(np.abs(got - want))) < 0.01
+    finally:
+        fresh.close()
+        ctx.close()
+        bmodel.close()
+
+
 def test_f32_and_f16_adapters_requests_decode_plainly_and_a_q8_0_adapters_speculate(
     tmp_path: Path,
 ) -> None:

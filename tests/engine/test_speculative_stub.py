@@ -544,6 +544,24 @@ def test_deterministic_mode_does_not_speculate(engine: Engine) -> None:
     assert relaxed.complete(PROMPT, GREEDY, deterministic=True).stats.drafted_tokens == 0
 
 
+def test_per_sequence_streams_never_hold_a_verify_pass(engine: Engine) -> None:
+    """Per-sequence KV streams (``kv_unified`` false) come only with a deterministic model of
+    several slots, and such a model drafts for no request, not even one that asks for drafts
+    with ``deterministic`` false. So ``Tick._splits_verify`` guards the unified buffer alone:
+    llama.cpp would split a verify pass sharing a call with a lower sequence's rows
+    (``split_equal``: equal parts per sequence), which in a stream of its own loses no cell
+    (``test_a_verify_pass_split_in_its_own_stream_keeps_its_window``), but nothing sends one."""
+    model = engine.load_model(config=spec_config(2, deterministic=True))
+    assert model._worker.rt.ctx.params.kv_unified is False
+    ask = {"deterministic": False, "spec_type": "ngram-simple"}
+    first = model.stream(PROMPT, GREEDY, **ask)  # type: ignore[arg-type]
+    next(iter(first))
+    second = model.complete(f"Third {PROMPT}", GREEDY, prediction=PASSAGE, **ask)  # type: ignore[arg-type]
+    assert first.result().stats.drafted_tokens == second.stats.drafted_tokens == 0
+    relaxed = engine.load_model("relaxed", config=spec_config(2))
+    assert relaxed.complete(PROMPT, GREEDY, **ask).stats.drafted_tokens > 0  # type: ignore[arg-type]
+
+
 class _Inexact(StubBackend):
     """A stub whose models report ``exactness`` for their verify rows (``with_adapter``
     where an adapter is attached), counting the asks."""
