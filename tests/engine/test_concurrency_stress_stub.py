@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from tests.engine.conftest import LOW_GATES, make_engine, stub_config
+from tests.engine.test_load_stress_stub import WORDS
 
 from kvwarm.backends.base import ContextParams
 from kvwarm.backends.stub import StubBackend
@@ -49,20 +50,6 @@ from kvwarm.errors import (
 )
 
 WAIT_S = 60.0  # every wait's bound: past it the episode hung
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-]
 #: A request whose prompt starts with one of these cancels itself at that point (hooks below).
 CANCEL_IN_RESTORE = "RESTORE-CANCEL"
 CANCEL_IN_PREFILL = "PREFILL-CANCEL"
@@ -330,16 +317,7 @@ def episode(
                 results[i] = drive(loaded, specs[i])
 
         clients = [threading.Thread(target=client, args=(lane,)) for lane in lanes]
-        chaotic.start()
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join(WAIT_S)
-            assert not t.is_alive(), f"seed {seed}: a client hung"
-        stop.set()
-        chaotic.join(WAIT_S)
-        assert not chaotic.is_alive(), f"seed {seed}: the chaos thread hung"
-        assert not chaos_errors, chaos_errors
+        run_lanes(clients, chaotic, stop, chaos_errors, seed, "chaos")
 
         for i, (spec, out, want) in enumerate(zip(specs, results, expected, strict=True)):
             assert out is not None
@@ -384,6 +362,29 @@ def episode(
 def stress_seeds(default: int) -> range:
     """The episodes to run: ``KVWARM_STRESS_SEEDS=N`` runs N (a longer hunt), else a few."""
     return range(int(os.environ.get("KVWARM_STRESS_SEEDS", default)))
+
+
+def run_lanes(
+    clients: list[threading.Thread],
+    chaos: threading.Thread,
+    stop: threading.Event,
+    errors: list[Any],
+    seed: int,
+    chaos_name: str,
+) -> None:
+    """Run an episode's threads: the chaos thread, then the clients; each client waited for
+    (bounded: past ``WAIT_S`` it hung), then the chaos thread stopped and waited for, with
+    nothing it did having failed."""
+    chaos.start()
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(WAIT_S)
+        assert not t.is_alive(), f"seed {seed}: a client hung"
+    stop.set()
+    chaos.join(WAIT_S)
+    assert not chaos.is_alive(), f"seed {seed}: the {chaos_name} thread hung"
+    assert not errors, errors
 
 
 @pytest.mark.parametrize("seed", stress_seeds(3))

@@ -458,13 +458,8 @@ def test_gemma_3_is_not_exact_and_does_not_speculate(
         assert (info.speculation_exact or "").startswith("no: ")
 
 
-GEMMA_UNTILED = r"""
-import sys
-from kvwarm.backends.base import ContextParams
-from kvwarm.engine.api import ModelConfig, untile_at_start
-from kvwarm.engine.types import GenerationOptions
-from tests.engine.conftest import make_engine
-source = (
+#: The copy both Gemma 3 child scripts below decode: a function to give back renamed.
+GEMMA_COPY = r"""source = (
     "def merge(left, right):\n"
     "    result = []\n"
     "    while left and right:\n"
@@ -473,7 +468,14 @@ source = (
 )
 prompt = "Original:\n\n" + source + "\nThe same function, renamed to join:\n\ndef join("
 opts = GenerationOptions(max_tokens=40, temperature=0.0)
-context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
+"""
+GEMMA_UNTILED = r"""
+import sys
+from kvwarm.backends.base import ContextParams
+from kvwarm.engine.api import ModelConfig, untile_at_start
+from kvwarm.engine.types import GenerationOptions
+from tests.engine.conftest import make_engine
+{GEMMA_COPY}context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
 config = ModelConfig(context=context, spec_type="ngram-simple")
 if sys.argv[2] == "start":  # what kvwarm serve does before its threads start
     untile_at_start([(sys.argv[1], config)])
@@ -486,7 +488,7 @@ with make_engine() as engine:
     spec = model.complete(prompt, opts, cache_salt="again")
     print("SAME", spec.completion_tokens == plain.completion_tokens)
     print("ACCEPTED", spec.stats.accepted_tokens)
-"""
+""".replace("{GEMMA_COPY}", GEMMA_COPY)
 
 
 @pytest.mark.parametrize(("tiled", "start"), [("0", "no"), (None, "start")])
@@ -771,16 +773,7 @@ from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.draftmodel import DraftModel
 from tests.engine.conftest import make_engine
-source = (
-    "def merge(left, right):\n"
-    "    result = []\n"
-    "    while left and right:\n"
-    "        result.append(left.pop(0) if left[0] <= right[0] else right.pop(0))\n"
-    "    return result + left + right\n"
-)
-prompt = "Original:\n\n" + source + "\nThe same function, renamed to join:\n\ndef join("
-opts = GenerationOptions(max_tokens=40, temperature=0.0)
-# 2048 cells: more than the window's cache would hold without swa_full (512 + a batch).
+{GEMMA_COPY}# 2048 cells: more than the window's cache would hold without swa_full (512 + a batch).
 context = ContextParams(n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=2)
 config = ModelConfig(context=context, draft_model=sys.argv[1], spec_draft_max=8)
 
@@ -827,7 +820,7 @@ with make_engine() as engine:
     restored = draft.restored_tokens
     model.complete(prompt, opts, cache_salt="draft")
     print("RESTORED", draft.restored_tokens - restored >= len(spec.prompt_tokens) - 1)
-"""
+""".replace("{GEMMA_COPY}", GEMMA_COPY)
 
 
 def test_gemma_3_drafts_for_itself_with_a_full_size_window(gemma_path: str) -> None:

@@ -40,16 +40,21 @@ def test_held_back_text_is_released_at_finish() -> None:
     assert out == text == "abcE"
 
 
-@given(
-    st.text(max_size=40), st.lists(st.integers(1, 5), max_size=20), st.text(min_size=1, max_size=4)
-)
-def test_fragments_concatenate_to_the_final_text(text: str, cuts: list[int], stop: str) -> None:
-    data = text.encode()
+def _cut(data: bytes, cuts: list[int]) -> list[bytes]:
+    """``data`` in pieces of the lengths ``cuts`` says, the rest last (a token's bytes each)."""
     pieces, i = [], 0
     for c in cuts:
         pieces.append(data[i : i + c])
         i += c
     pieces.append(data[i:])
+    return pieces
+
+
+@given(
+    st.text(max_size=40), st.lists(st.integers(1, 5), max_size=20), st.text(min_size=1, max_size=4)
+)
+def test_fragments_concatenate_to_the_final_text(text: str, cuts: list[int], stop: str) -> None:
+    pieces = _cut(text.encode(), cuts)
     out, final = run(pieces, stop=(stop,))
     assert out == final
     assert stop not in final
@@ -165,12 +170,7 @@ def test_an_earlier_stop_sequence_wins_over_a_later_indent_cut() -> None:
 def test_indent_cut_fragments_are_the_text_and_the_text_is_llama_servers(
     text: str, cuts: list[int], n_indent: int, stop: str
 ) -> None:
-    data = text.encode()
-    pieces, i = [], 0
-    for c in cuts:
-        pieces.append(data[i : i + c])
-        i += c
-    pieces.append(data[i:])
+    pieces = _cut(text.encode(), cuts)
     asm = TextAssembler((stop,) if stop else (), n_indent=n_indent)
     out = "".join(asm.feed(p) for p in pieces) + asm.finish()
     assert out == asm.text

@@ -17,6 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.cache.types import PolicyConfig
+from kvwarm.engine.request import Request
+from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.server import create_app
 from kvwarm.server.connections import Server, uvicorn_config
 from kvwarm.server.state import ServerState
@@ -277,3 +279,18 @@ def background_ended(client: TestClient, response_id: str) -> None:
         await asyncio.wait_for(pending.ended.wait(), 60)
 
     client.portal.call(wait)
+
+
+def hold_restores(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold each request the worker admits in its restore: ``entered`` is set once one is
+    there (out of the queue, not yet in a slot), and it goes on once ``release`` is set."""
+    entered, release = threading.Event(), threading.Event()
+    real = Admission.restore
+
+    def held(admission: Admission, planned: Planned, req: Request) -> Restored:
+        entered.set()
+        assert release.wait(60)
+        return real(admission, planned, req)
+
+    monkeypatch.setattr(Admission, "restore", held)
+    return entered, release

@@ -32,7 +32,14 @@ from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.server import create_app
 from kvwarm.settings import Settings
 
-from ..engine.test_concurrency_stress_stub import SCHEMA, WORDS, YES_NO, fd_count, stress_seeds
+from ..engine.test_concurrency_stress_stub import (
+    SCHEMA,
+    WORDS,
+    YES_NO,
+    fd_count,
+    run_lanes,
+    stress_seeds,
+)
 from .conftest import LiveServer, stub_settings, wait_ready
 
 MIB = 1 << 20
@@ -204,16 +211,7 @@ def episode(seed: int, tmp: Path, n_requests: int = 30) -> None:
         chaos = threading.Thread(
             target=admin, args=(random.Random(seed + 1), server.base_url, stop, admin_errors)
         )
-        chaos.start()
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join(WAIT_S)
-            assert not t.is_alive(), f"seed {seed}: a client hung"
-        stop.set()
-        chaos.join(WAIT_S)
-        assert not chaos.is_alive(), f"seed {seed}: the admin thread hung"
-        assert not admin_errors, admin_errors
+        run_lanes(clients, chaos, stop, admin_errors, seed, "admin")
 
         for i, (spec, out, want) in enumerate(zip(specs, results, expected, strict=True)):
             assert out is not None

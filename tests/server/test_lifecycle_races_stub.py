@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.engine.request import Done, Request
+from kvwarm.engine.request import Done
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import CompletionStats
-from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.errors import ServerShuttingDownError
 from kvwarm.server import create_app
 from kvwarm.server.generate import Generation
 from kvwarm.server.state import ServerState
 
 from ..engine.conftest import GatedBackend, make_engine, stub_config
-from .conftest import background_ended, server_state, stub_settings, wait_ready
+from .conftest import background_ended, hold_restores, server_state, stub_settings, wait_ready
 
 BODY: dict[str, object] = {
     "model": "a",
@@ -36,21 +34,6 @@ BODY: dict[str, object] = {
 }
 
 
-def _hold_restores(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Hold each request the worker admits in its restore: ``entered`` is set once one is
-    there (out of the queue, not yet in a slot), and it goes on once ``release`` is set."""
-    entered, release = threading.Event(), threading.Event()
-    real = Admission.restore
-
-    def held(admission: Admission, planned: Planned, req: Request) -> Restored:
-        entered.set()
-        assert release.wait(60)
-        return real(admission, planned, req)
-
-    monkeypatch.setattr(Admission, "restore", held)
-    return entered, release
-
-
 def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is_admitted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -58,7 +41,7 @@ def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is
     prompt's row: a disk read), the request was neither queued nor active, so the reaper took
     a model whose only work was a background response for idle and unloaded it: the response
     ended ``cancelled`` though nobody cancelled it."""
-    entered, release = _hold_restores(monkeypatch)
+    entered, release = hold_restores(monkeypatch)
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
         try:
@@ -127,7 +110,7 @@ def test_a_background_response_s_keep_alive_counts_from_its_end(
     so its model's ``keep_alive`` ran from the ``POST``: a response running longer than that
     had its model unloaded the moment it ended (and an admin saw it unleased meanwhile). It
     now holds its model's lease until it ends."""
-    entered, release = _hold_restores(monkeypatch)
+    entered, release = hold_restores(monkeypatch)
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
         registry = server_state(client).registry

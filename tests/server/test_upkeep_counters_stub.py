@@ -7,18 +7,15 @@ ended, in ``kvwarm_requests_total`` as in ``kvwarm_generations_total``."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwarm.engine.request import Request
-from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.server import create_app
 
-from .conftest import background_ended, server_state, stub_settings, wait_ready
+from .conftest import background_ended, hold_restores, server_state, stub_settings, wait_ready
 
 ADMIN = {"Authorization": "Bearer admin"}
 PROMPT = "The keeper of the lighthouse wrote down every ship that passed the point. " * 3
@@ -141,15 +138,7 @@ def test_a_request_cancelled_while_queued_counts_as_a_request(
 ) -> None:
     """One slot; the first background response held in its admission, the second queued
     behind it and cancelled there: both are generations that ended, one ``cancelled``."""
-    entered, release = threading.Event(), threading.Event()
-    real = Admission.restore
-
-    def held(admission: Admission, planned: Planned, req: Request) -> Restored:
-        entered.set()
-        assert release.wait(60)
-        return real(admission, planned, req)
-
-    monkeypatch.setattr(Admission, "restore", held)
+    entered, release = hold_restores(monkeypatch)
     body = {
         "model": "a",
         "input": "Tell me about the quick brown fox, please.",

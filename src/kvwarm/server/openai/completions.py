@@ -46,6 +46,7 @@ from kvwarm.server.schemas import (
 from kvwarm.server.state import ServerState, server_state
 
 if TYPE_CHECKING:
+    from kvwarm.server.lora import LoraChoice
     from kvwarm.server.served import ServedModel
 
 router = APIRouter()
@@ -372,16 +373,7 @@ async def infill(request: Request) -> Response:
         raise HTTPError(400, "/infill makes one completion (n=1)", code="invalid_value", param="n")
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
     convert.length_within(req.n_predict, "n_predict", limit, over_limit)
-    opts = convert.options(
-        req,
-        default_max_tokens=state.settings.default_max_tokens,
-        max_tokens_limit=limit,
-        over_limit=over_limit,
-        max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
-        logprobs=req.n_probs or None,
-        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
-        lora=lora,
-    )
+    opts = _llama_options(request, state, req, lora, logprobs=req.n_probs or None)
     # Cut as llama-server cuts (its prefix, suffix and extra files' shares), leaving the
     # context room for this reply (llama-server's: for its server-wide -n).
     extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
@@ -418,6 +410,31 @@ async def infill(request: Request) -> Response:
         sse(events, group.close, done_line=False),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
+    )
+
+
+def _llama_options(
+    request: Request,
+    state: ServerState,
+    req: LlamaFields,
+    lora: LoraChoice | None,
+    *,
+    logprobs: int | None,
+    json_schema: dict[str, object] | None = None,
+) -> GenerationOptions:
+    """A body in llama-server's shape as generation options: its ``n_predict`` the reply's
+    length (-1 or none: the server's default), the rest as every route's."""
+    n_predict = req.n_predict
+    return convert.options(
+        req,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        over_limit=state.settings.max_tokens_over_limit,
+        max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
+        json_schema=json_schema,
+        logprobs=logprobs,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
 
 
@@ -669,17 +686,14 @@ async def llama_completion(request: Request) -> Response:
     model, lora = await state.acquire_generation(
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
-    opts = convert.options(
+    opts = _llama_options(
+        request,
+        state,
         req,
-        default_max_tokens=state.settings.default_max_tokens,
-        max_tokens_limit=limit,
-        over_limit=over_limit,
-        max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
+        lora,
         json_schema=req.json_schema,
         # A stream's chunks carry their tokens' ids, which come with their logprobs.
         logprobs=req.n_probs or (0 if req.stream else None),
-        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
-        lora=lora,
     )
     model_id = state.lora.reply_name(req.model, model)
     settings = generation_settings(opts, req.n_probs, req.stream)
