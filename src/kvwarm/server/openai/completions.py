@@ -698,9 +698,13 @@ async def llama_completion(request: Request) -> Response:
     model_id = state.lora.reply_name(req.model, model)
     settings = generation_settings(opts, req.n_probs, req.stream)
 
+    prompt_texts: dict[int, str] = {}  # per prompt: its n choices share one detokenization
+
     async def last(index: int, done: Completion) -> dict[str, object]:
-        pieces = await run_in_threadpool(model.token_pieces, list(done.prompt_tokens))
-        text = b"".join(pieces).decode("utf-8", "replace")
+        text = prompt_texts.get(index // req.n)
+        if text is None:
+            pieces = await run_in_threadpool(model.token_pieces, list(done.prompt_tokens))
+            text = prompt_texts[index // req.n] = b"".join(pieces).decode("utf-8", "replace")
         extra: dict[str, object] = {"generation_settings": settings, "prompt": text}
         return _infill_body(
             model_id, done, req, opts.max_tokens, streamed=req.stream, index=index, extra=extra
