@@ -289,3 +289,49 @@ def test_the_default_engines_first_model_decides_before_the_engine_starts(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert dict(line.split(maxsplit=1) for line in lines) == {"ENV": "0", "EXACT": "at any length"}
+
+
+@pytest.mark.parametrize(
+    ("info", "columns"),
+    [
+        (b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | ", 4),
+        (b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | LLAMAFILE = 1 | ", 2),
+        (b"CPU : SSE3 = 1 | AVX = 1 | LLAMAFILE = 1 | ", 2),
+        (b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | OPENMP = 1 | ", 1),  # no llamafile
+        (b"CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1 | LLAMAFILE = 1 | ", 1),  # not x86's kernel
+        (b"CPU : AVX2 = 1 | AVX512_VNNI = 1 | LLAMAFILE = 1 | ", 2),  # a VNNI flag is not AVX512
+    ],
+)
+def test_tinyblas_columns_follow_the_build(info: bytes, columns: int) -> None:
+    """tinyBLAS's Q8_0 kernel multiplies 4 rows at a time with 32 vector registers (AVX-512),
+    2 with 16 (``sgemm.cpp``: ``VECTOR_REGISTERS``), as ``llama_print_system_info`` says."""
+    from kvwarm.backends.llama import native
+
+    assert native._columns_of(info) == columns
+
+
+def test_the_embedded_models_tinyblas_share_is_its_tied_q8_0_output() -> None:
+    """SmolLM2-135M: Q4_1 layers (vec_dot) and a tied Q8_0 output (tinyBLAS), 30 of 96 MB;
+    loaded, its facts say how a pass's rows are tiled where its weights run on the CPU."""
+    import kvwarm.embedded
+    from kvwarm.backends.base import ModelParams
+    from kvwarm.backends.llama import LlamaBackend, native
+
+    path = kvwarm.embedded.default_model_path()
+    share = model_file.WeightKernels.of(path).column_share()
+    assert share == pytest.approx(30.08 / 96.44, abs=0.002)
+    facts = LlamaBackend().load_model(str(path), ModelParams()).facts
+    columns = native.tinyblas_columns()
+    assert facts.pass_tile == columns
+    assert facts.pass_tile_share == (round(share, 4) if columns > 1 else 0.0)
+
+
+@pytest.mark.skipif(not X86, reason="repacking and tinyBLAS's Q4_0 kernel are x86's here")
+def test_repacked_q4_0_weights_leave_tinyblas(tmp_path: Path) -> None:
+    """Q4_0 weights loaded into the extra buffer types go to the repacked GEMM, not
+    tinyBLAS: they count in the share only where they are not repacked."""
+    keys = shape_keys((512, 8, 4, 1024, 64))
+    path = write_tiny_model(tmp_path / "q4_0.gguf", "llama", stdev=0.02, keys=keys, ftype=2)
+    kernels = model_file.WeightKernels.of(path)
+    assert kernels.column_share() > 0.5
+    assert kernels.column_share(repacked=True) < kernels.column_share()

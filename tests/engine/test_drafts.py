@@ -157,7 +157,7 @@ def test_pass_cost_fit_is_theil_sen_with_the_lower_quartile_intercept() -> None:
         for _ in range(rng.randint(0, 31)):
             cost.observe(1, rng.choice([1, 2, 4, 8, 16, 33]), 0.01 * rng.uniform(1.0, 20.0))
         points = [(k, PassCost.PRIOR.of(k) - 1.0) for k in PassCost._PRIOR_AT]
-        points += [(k, r - 1.0) for _, k, r in cost._samples]
+        points += [(k, r - 1.0) for _, k, r, _split in cost._samples]
         xy = np.array(points, dtype=np.float64)
         x, y = xy[:, 0], xy[:, 1]
         i, j = np.triu_indices(len(points), 1)
@@ -168,6 +168,52 @@ def test_pass_cost_fit_is_theil_sen_with_the_lower_quartile_intercept() -> None:
             min(PassCost._MAX_FIXED, max(0.0, fixed)),
             min(PassCost._MAX_PER_TOKEN, max(0.002, per_token)),
         )
+
+
+def test_cost_of_a_tiled_pass_pays_its_step_past_a_multiple_of_the_tile() -> None:
+    """llamafile's tinyBLAS multiplies Q8_0 weights against 4 rows at a time (AVX-512) and
+    reads them once more for the rest: 2-4 rows and every multiple of 4 pay no step, 5-7,
+    9-11, ... do, so a draft of 7 (8 rows) can cost less than one of 6."""
+    cost = Cost(0.5, 0.3, tile=4, step=1.1)
+    assert [cost.split(r) for r in range(1, 14)] == [
+        False, False, False, False, True, True, True, False, True, True, True, False, True,
+    ]  # fmt: skip
+    assert cost.of(0) == 1.0 and cost.of(3) == pytest.approx(2.4)  # 4 rows: no step
+    assert cost.of(6) == pytest.approx(1.0 + 0.5 + 1.8 + 1.1)
+    assert cost.of(7) < cost.of(6)
+    assert Cost(0.5, 0.3).of(6) == pytest.approx(3.3)  # no tile: no step, as before
+
+
+def test_draft_lengths_snap_to_the_tile_where_the_step_outweighs_a_rows_cost() -> None:
+    """Gemma 3 270M's measured costs (one-token passes: ~0.26 a row, a step of ~1.15):
+    a likely copy's draft is sized to fill whole tiles of 4 rows, where the plain line
+    drafted 6 tokens (7 rows, 56 ms against 8 rows' 44 ms on 2 cores)."""
+    budget = DraftBudget()
+    plain = budget.length(48, Cost(1.0, 0.26), prior=match_prior(13))
+    tiled = budget.length(48, Cost(1.0, 0.26, tile=4, step=1.15), prior=match_prior(13))
+    assert (plain + 1) % 4 != 0 and (tiled + 1) % 4 == 0
+    # A small step (SmolLM2's tied output is 31% of its bytes) leaves a short draft be.
+    assert budget.length(3, Cost(0.4, 0.3, tile=4, step=0.3), prior=0.95) == 3
+
+
+def test_pass_cost_learns_the_tiles_step_from_split_passes() -> None:
+    """With a tile, the step starts at the share of the weight bytes read once more
+    (``ModelFacts.pass_tile_share``) and follows what split passes cost above the line that
+    whole-tile passes draw; the line is not bent by them."""
+    cost = PassCost(clock=lambda: 0.0, tile=4, share=0.9)
+    assert cost.cost == Cost(PassCost.PRIOR.fixed, PassCost.PRIOR.per_token, 4, 0.9)
+    for _ in range(5):
+        cost.observe(1, 0, 0.010)
+    truth = Cost(1.2, 0.26, tile=4, step=1.5)
+    for k in (3, 7, 11, 15, 31, 47, 6, 8, 10, 16, 33) * 2:
+        cost.observe(1, k, 0.010 * truth.of(k))
+    fit = cost.cost
+    assert fit.tile == 4
+    assert abs(fit.per_token - 0.26) < 0.02 and abs(fit.fixed - 1.2) < 0.15
+    assert abs(fit.step - 1.5) < 0.1
+    # No tile (a GPU, a build without tinyBLAS, no such weight): no step, whatever the share.
+    assert PassCost(tile=4, share=0.0).cost.tile == 1
+    assert PassCost(tile=1, share=0.9).cost.step == 0.0
 
 
 def test_pass_cost_baseline_is_not_inflated_by_a_new_contexts_slow_first_passes() -> None:
@@ -759,7 +805,7 @@ def test_pass_cost_fit_in_numpy_is_the_pairwise_theil_sen_fit() -> None:
 
     def pairwise(c: PassCost) -> Cost:
         points = [(k, c.PRIOR.of(k) - 1.0) for k in c._PRIOR_AT]
-        points += [(k, r - 1.0) for _, k, r in c._samples]
+        points += [(k, r - 1.0) for _, k, r, _split in c._samples]
         slopes = [
             (y2 - y1) / (x2 - x1)
             for i, (x1, y1) in enumerate(points)

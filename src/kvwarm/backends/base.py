@@ -207,6 +207,14 @@ class ModelFacts:
     #: table (a ``position_embd.weight``: BERT, GPT-2; its rows, ``n_ctx_train``): llama.cpp
     #: GGML_ASSERTs on a position past it. None: positions are unbounded (RoPE, ALiBi).
     n_pos: int | None = None
+    #: How many of a pass's rows the CPU multiplies some of the weights against at once
+    #: (llamafile's tinyBLAS: 4 with AVX-512); 1 where no such kernel runs (a GPU, another
+    #: build). A pass of more rows than that, not a multiple of it, reads those weights once
+    #: more: speculative decoding sizes its drafts by it (``engine/worker/drafts.Cost``).
+    pass_tile: int = 1
+    #: The share of the matrix weights' bytes multiplied that way: about what the extra read
+    #: costs, in one-token passes, until verify passes are timed.
+    pass_tile_share: float = 0.0
 
 
 @runtime_checkable

@@ -211,6 +211,9 @@ class LlamaModel:
             log.info("%s: weights not repacked, so verify rows stay exact", path)
             params = replace(params, use_extra_bufts=False)
             self._row_kernels = ""
+        #: The share of the weight bytes tinyBLAS multiplies a few rows at a time
+        #: (``ModelFacts.pass_tile_share``), of the weights as they load.
+        self._column_share = weights.column_share(repacked=repacked and not unrepacked)
         #: ``kernels``: where they are not this machine's defaults (the process's tiled
         #: kernel off, this load's weights not repacked where they would be).
         tags = []
@@ -327,7 +330,16 @@ class LlamaModel:
             sep=sep if 0 <= sep < self._n_vocab else None,
             add_eos=bool(lib.llama_vocab_get_add_eos(self._vocab)),
             add_sep=bool(lib.llama_vocab_get_add_sep(self._vocab)),
+            **self._pass_tile(),
         )
+
+    def _pass_tile(self) -> dict[str, Any]:
+        """``ModelFacts.pass_tile`` and ``pass_tile_share``: tinyBLAS's columns where its
+        weights run on the CPU (no layer offloaded: the output layer goes with the last)."""
+        columns = _native.tinyblas_columns() if self._column_share > 0 else 1
+        if columns <= 1 or self._offloaded():
+            return {}
+        return {"pass_tile": columns, "pass_tile_share": round(self._column_share, 4)}
 
     def _fim_tokens(self) -> FimTokens | None:
         """llama.cpp's FIM tokens (from the GGUF, or recognised by their text at load)."""

@@ -711,6 +711,19 @@ _TILED_TYPES = {
 #: a repacked product takes a GEMM for several rows and a GEMV for one; Gemma 3 270M's
 #: repacked Q4_K made 14-16 of 16 rows differ with the tiled kernel off, none without repacking.
 _REPACK_TYPES = {2: "Q4_0", 12: "Q4_K", 20: "IQ4_NL", 39: "MXFP4"}
+#: ggml types llamafile's tinyBLAS multiplies a pass's rows against a few at a time
+#: (``tinyBLAS_Q0_AVX``; ``native.tinyblas_columns``) where they are not repacked: a pass of
+#: rows past a multiple of that reads such a weight once more (``WeightKernels.column_share``).
+_COLUMN_TILED_TYPES = frozenset({2, 6, 8, 20})  # Q4_0, Q5_0, Q8_0, IQ4_NL
+#: Bytes per element of ggml types (a block's bytes over its elements), for the share of a
+#: model's weight bytes each kernel reads; a type not listed counts as Q4_K's 4.5 bits.
+_TYPE_BYTES = {
+    0: 4.0, 1: 2.0, 2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32, 8: 34 / 32, 9: 36 / 32,
+    10: 84 / 256, 11: 110 / 256, 12: 144 / 256, 13: 176 / 256, 14: 210 / 256, 15: 292 / 256,
+    16: 66 / 256, 17: 74 / 256, 18: 98 / 256, 19: 50 / 256, 20: 18 / 32, 21: 110 / 256,
+    22: 82 / 256, 23: 136 / 256, 29: 56 / 256, 30: 2.0, 34: 54 / 256, 35: 66 / 256,
+    39: 17 / 32,
+}  # fmt: skip
 #: Tensors read by row (``ggml_get_rows``), never multiplied: a lookup, not a matrix product.
 _LOOKUPS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
 _X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
@@ -814,6 +827,26 @@ class WeightKernels:
     def tiled(self) -> bool:
         """Whether a weight is of a type the tiled kernel multiplies, on or not."""
         return any(t.ggml_type in _TILED_TYPES for t in self.weights)
+
+    def column_share(self, *, repacked: bool = False) -> float:
+        """The share of the matrix weights' bytes that llamafile's tinyBLAS multiplies a
+        pass's rows against a few at a time (``_COLUMN_TILED_TYPES``; repacked Q4_0 and
+        IQ4_NL go to the repacked kernels instead): a pass whose rows are not a multiple of
+        its columns reads these bytes once more, which in a one-token pass (a read of every
+        weight byte) is about that share of the pass (Gemma 3 270M: 0.91, measured ~1.15
+        one-token passes; SmolLM2-135M: 0.31, measured ~0.3)."""
+        total = tiled = 0.0
+        for t in self.weights:
+            elements = 1
+            for n in t.shape:
+                elements *= n
+            size = elements * _TYPE_BYTES.get(t.ggml_type, 4.5 / 8)
+            total += size
+            if t.ggml_type in _COLUMN_TILED_TYPES and not (
+                repacked and t.ggml_type in _REPACK_TYPES
+            ):
+                tiled += size
+        return tiled / total if total else 0.0
 
     def first(self, *, repacked: bool = False) -> str:
         """The first weight llama.cpp multiplies with another kernel in a pass of several

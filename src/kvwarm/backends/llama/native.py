@@ -244,6 +244,40 @@ def amx_in_use() -> bool:
 _AMX: bool | None = None
 
 
+def tinyblas_columns() -> int:
+    """How many of a pass's rows llamafile's tinyBLAS multiplies a Q8_0, Q4_0, Q5_0 or IQ4_NL
+    weight against at once in this build (``ggml-cpu/llamafile/sgemm.cpp``,
+    ``tinyBLAS_Q0_AVX::mnpack``): 4 where it was built with AVX-512 (32 vector registers),
+    2 with AVX or AVX2; 1 where it has no such kernel (no llamafile, not x86) or the weights
+    go to the AMX buffer type. A pass of more rows than that, not a multiple of it, reads
+    each such weight once more for the rest (Gemma 3 270M, whose tied Q8_0 output is 90% of
+    its weight bytes, on 2 AVX-512 cores: 8 rows 44 ms, 9 rows 61 ms, 12 rows 58 ms), which
+    is what speculative decoding's draft lengths weigh (``engine/worker/drafts.Cost``). Read
+    from ``llama_print_system_info`` (the CPU variant loaded, where a build has several)."""
+    global _TINYBLAS_COLUMNS
+    if _TINYBLAS_COLUMNS is None:
+        _TINYBLAS_COLUMNS = 1 if amx_in_use() else _columns_of(lib().llama_print_system_info())
+    return _TINYBLAS_COLUMNS
+
+
+_TINYBLAS_COLUMNS: int | None = None
+
+
+def _columns_of(info: bytes) -> int:
+    """``tinyblas_columns`` from ``llama_print_system_info``'s text ("CPU : AVX2 = 1 | ...")."""
+    flags = {
+        name.strip(): value.strip()
+        for part in info.decode("ascii", errors="replace").replace("CPU :", "|").split("|")
+        if "=" in part
+        for name, value in [part.split("=", 1)]
+    }
+    if flags.get("LLAMAFILE") != "1":
+        return 1
+    if flags.get("AVX512") == "1":
+        return 4
+    return 2 if "1" in (flags.get("AVX2"), flags.get("AVX")) else 1
+
+
 def _cpu_flag(flag: str) -> bool:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:

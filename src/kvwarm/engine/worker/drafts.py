@@ -1212,16 +1212,31 @@ class RowDrafts:
 @dataclass(frozen=True, slots=True)
 class Cost:
     """What a pass that verifies a draft of ``k`` tokens costs, in one-token passes:
-    ``1 + fixed + per_token * k``. On a CPU the first drafted token costs most (a one-token
+    ``1 + fixed + per_token * k``, and ``step`` more where its ``k + 1`` rows are more than
+    ``tile`` and not a multiple of it. On a CPU the first drafted token costs most (a one-token
     pass multiplies a vector, any other a matrix): SmolLM2 on 2 cores with flash attention,
     measured (the fastest of 9 passes each, k = 1 .. 48): about 0.4 and 0.3; a GPU's are
-    near 0."""
+    near 0. ``tile``: llamafile's tinyBLAS multiplies Q8_0 (Q4_0, Q5_0, IQ4_NL) weights
+    against 4 rows at a time on AVX-512 and reads them once more for the rest
+    (``ModelFacts.pass_tile``): Gemma 3 270M, whose tied Q8_0 output is 90% of its weight
+    bytes, took 44 ms for 8 rows, 61 for 9 and 58 for 12 (``bench/verify_ceiling.py``), so a
+    draft of 7 tokens costs less than one of 6 and 8 more than one of 11."""
 
     fixed: float
     per_token: float
+    tile: int = 1
+    step: float = 0.0
 
     def of(self, k: int) -> float:
-        return 1.0 if k <= 0 else 1.0 + self.fixed + self.per_token * k
+        if k <= 0:
+            return 1.0
+        rows = k + 1
+        extra = self.step if rows > self.tile > 1 and rows % self.tile else 0.0
+        return 1.0 + self.fixed + self.per_token * k + extra
+
+    def split(self, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows pays ``step``: more than ``tile``, not a multiple."""
+        return rows > self.tile > 1 and rows % self.tile != 0
 
 
 class PassCost:
@@ -1243,7 +1258,14 @@ class PassCost:
     comes back, drafts are tried again and measured afresh. The pass count bounds how long a
     burst of stalled verify passes (another process on the cores: 0.7-2.4 s against ~31 ms,
     seen in a bench run at load 2-5) can price every draft out: by time alone, two minutes,
-    longer than a whole reply."""
+    longer than a whole reply.
+
+    ``tile``, ``share`` (``ModelFacts.pass_tile``, ``pass_tile_share``): where the CPU
+    multiplies some weights against ``tile`` rows at a time, a pass of rows past a multiple
+    of it (``Cost.split``) pays a ``step`` more: the median of what such samples cost above
+    the line, with ``share`` (its prior: the bytes read once more, in one-token passes) worth
+    ``_STEP_PRIOR_WEIGHT`` samples; the line is fitted to the samples less that step, twice
+    over (a first step from the prior), so split and whole passes both measure it."""
 
     #: What a pass costs until passes have been timed: a CPU-like guess.
     PRIOR = Cost(0.5, 0.3)
@@ -1252,15 +1274,23 @@ class PassCost:
     _WINDOW_S = 120.0
     _STALE_PLAIN = 48  # plain passes with no verify pass since the last sample
     _PRIOR_AT = (1, 16)  # the prior's two pseudo-samples
-    _MAX_FIXED, _MAX_PER_TOKEN = 4.0, 2.0
+    _MAX_FIXED, _MAX_PER_TOKEN, _MAX_STEP = 4.0, 2.0, 4.0
+    _STEP_PRIOR_WEIGHT = 2
 
-    __slots__ = ("_clock", "_fit", "_fitted_at", "_plain", "_plain_since", "_samples")
+    __slots__ = (
+        "_clock", "_fit", "_fitted_at", "_plain", "_plain_since", "_samples", "_share", "_tile",
+    )  # fmt: skip
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, tile: int = 1, share: float = 0.0
+    ) -> None:
         self._clock = clock
+        self._tile = tile if tile > 1 and share > 0.0 else 1
+        self._share = min(self._MAX_STEP, max(0.0, share)) if self._tile > 1 else 0.0
         self._plain: dict[int, deque[float]] = {}
-        self._samples: deque[tuple[float, int, float]] = deque(maxlen=self._KEEP)
-        self._fit = self.PRIOR
+        #: (when, drafted, its ratio to a plain pass, whether its rows pay ``step``)
+        self._samples: deque[tuple[float, int, float, bool]] = deque(maxlen=self._KEEP)
+        self._fit = Cost(self.PRIOR.fixed, self.PRIOR.per_token, self._tile, self._share)
         self._fitted_at: float | None = None  # None: refit at the next read
         self._plain_since = 0  # plain passes since the last verify pass
 
@@ -1282,7 +1312,8 @@ class PassCost:
         self._plain_since = 0
         if plain is not None and len(plain) >= self._MIN_PLAIN:
             ratio = seconds / sorted(plain)[len(plain) // 4]
-            self._samples.append((self._clock(), drafted, ratio))
+            split = self._fit.split(slots + drafted)
+            self._samples.append((self._clock(), drafted, ratio, split))
             self._fitted_at = None
 
     @property
@@ -1297,24 +1328,40 @@ class PassCost:
         return self._fit
 
     def _estimate(self) -> Cost:
-        # Every verify pass refits (up to 33 points, 528 pairs), right after the pass has
-        # streamed the weights through the caches: numpy's calls then took ~0.74 ms a fit
-        # (cold), this loop ~35 us, the same numbers (IEEE doubles either way; the median of
-        # an even count the mean of its middle two, as ``np.median``).
+        step = self._share
+        fixed, per_token = self._line(step)
+        if any(split for *_, split in self._samples):
+            above = [r - 1.0 - fixed - per_token * k for _, k, r, split in self._samples if split]
+            step = _median([self._share] * self._STEP_PRIOR_WEIGHT + above)
+            step = min(self._MAX_STEP, max(0.0, step))
+            fixed, per_token = self._line(step)
+        return Cost(fixed, per_token, self._tile, step)
+
+    def _line(self, step: float) -> tuple[float, float]:
+        """``fixed`` and ``per_token`` of the samples, each less ``step`` where it pays it."""
+        # Every verify pass refits (up to 33 points, 528 pairs, twice with a tile), right
+        # after the pass has streamed the weights through the caches: numpy's calls then took
+        # ~0.74 ms a fit (cold), this loop ~35 us, the same numbers (IEEE doubles either way;
+        # the median of an even count the mean of its middle two, as ``np.median``).
         points = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
-        points += [(k, r - 1.0) for _, k, r in self._samples]
+        points += [(k, r - 1.0 - (step if split else 0.0)) for _, k, r, split in self._samples]
         slopes = [
             (yb - ya) / (xb - xa)
             for a, (xa, ya) in enumerate(points)
             for xb, yb in points[a + 1 :]
             if xa != xb
         ]
-        slopes.sort()
-        mid = len(slopes) // 2
-        per_token = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+        per_token = _median(slopes)
         intercepts = sorted(y - per_token * x for x, y in points)
         fixed = intercepts[len(points) // 4]
-        return Cost(
+        return (
             min(self._MAX_FIXED, max(0.0, fixed)),
             min(self._MAX_PER_TOKEN, max(0.002, per_token)),
         )
+
+
+def _median(values: list[float]) -> float:
+    """The median (of an even count the mean of its middle two, as ``np.median``)."""
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2

@@ -43,6 +43,7 @@ from kvwarm.engine.types import SlotStatus
 from kvwarm.engine.worker.admission import Admission
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.draftmodel import DraftModel
+from kvwarm.engine.worker.drafts import PassCost
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes, unexpected
@@ -102,6 +103,8 @@ class Worker:
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
         self.rt = Runtime(name, model, ctx, cache, config, namespace, slots, resolve)
         self.rt.draft = draft
+        facts = model.facts
+        self.rt.pass_cost = PassCost(tile=facts.pass_tile, share=facts.pass_tile_share)
         self._cond = threading.Condition()
         if projector is not None:
             self.rt.encoder = Encoder(name, projector, self._wake)
