@@ -326,6 +326,27 @@ def test_row_drafts_come_from_the_namespace_alone() -> None:
     assert _cont(drafts, a, (9, 9), 8) == []
 
 
+def test_a_reply_that_copies_its_prompt_is_indexed_though_it_adds_no_n_gram() -> None:
+    """A finish row whose reply copies its prompt (a JSON rewrite) holds no n-gram that its
+    prompt's row (the cold save before it) lacks; it was not indexed, so the same request
+    sent again found no row that replays it (Gemma 3 270M's JSON rewrite drafted from its
+    own text on its first retry). A prefix or a copy of an indexed row is still not."""
+    cache = _Rows()
+    ns = _ns(b"a")
+    prompt = [7, 8, *range(20, 60), 5, *range(20, 24)]  # a document, the start of its copy
+    reply = list(range(24, 50))  # the copy goes on
+    cache.add(ns, prompt)
+    drafts = _drafts(cache, 4)
+    drafts.refresh(ns)
+    drafts.saved(ns, [*prompt, *reply])
+    found = drafts.matches(ns, [9, *prompt[1:], *reply[:3]])
+    assert found[0].seq == (*prompt, *reply) and found[0].at == len(prompt) + 3
+    held = drafts.tokens
+    drafts.saved(ns, [*prompt, *reply[:10]])  # a prefix of a row indexed
+    drafts.saved(ns, [*prompt, *reply])  # a copy of one
+    assert drafts.tokens == held
+
+
 def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
     cache = _Rows()
     a, b = _ns(b"a"), _ns(b"b")

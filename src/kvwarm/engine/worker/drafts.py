@@ -923,7 +923,7 @@ class RowDrafts:
     while a worker with one tenant (no keys) drops the namespace drafted from least recently,
     as a plain LRU. A namespace takes in at most ``_ROWS_PER_REFRESH``
     rows per refresh (its newest), at most once per ``_REFRESH_S``, the longest first (a row
-    that is a prefix of one indexed adds no n-gram and is not kept). Tokens come from the
+    that is a prefix of one indexed is not kept). Tokens come from the
     cache's index (``CacheApi.row_tokens``, through the worker's cache port): no tier is read;
     and a finish save this worker makes is indexed at once (``saved``). Worker thread only."""
 
@@ -1083,13 +1083,20 @@ class RowDrafts:
             self._add(space, seq)
 
     def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
-        """Index a row that holds any n-gram not indexed yet (one that does not, a prefix or
-        a copy of a row indexed, would only repeat its occurrences): each of its n-grams'
-        occurrences, the latest ``CANDIDATES`` of each kept."""
-        n, starts = self.n, space.starts
-        hashes = [hash(tokens[start : start + n]) for start in range(len(tokens) - n)]
-        if all(h in starts for h in hashes):
+        """Index a row, unless an indexed row begins with all of it (a prefix or a copy of
+        one, whose occurrences in their contexts are indexed already): each of its n-grams'
+        occurrences, the latest ``CANDIDATES`` of each kept. A row whose n-grams all occur in
+        other rows is indexed too: the same n-grams in another context are what a replay
+        follows (``Drafter._follow_rows``). A reply that copies its prompt holds no n-gram
+        its prompt's row does not, and was not indexed: Gemma 3 270M's JSON rewrite, sent
+        again, drafted from its own text, not from the reply it got before."""
+        n, starts, size = self.n, space.starts, len(tokens)
+        if size <= n or any(
+            len(seq) >= size and seq[size - 1] == tokens[-1] and seq[:size] == tokens
+            for seq in space.seqs
+        ):
             return
+        hashes = [hash(tokens[start : start + n]) for start in range(size - n)]
         seq = len(space.seqs) << 32
         for start, h in enumerate(hashes):
             at = starts.get(h)
