@@ -846,3 +846,20 @@ def test_gemma_3_drafts_for_itself_with_a_full_size_window(gemma_path: str) -> N
     assert (said["SAME"], said["RESTORED"]) == ("True", "True"), said
     accepted, drafted = map(int, said["ACCEPTED"].split())
     assert accepted >= 10 and drafted >= accepted, said
+
+
+def test_a_speculating_models_pass_cost_prices_its_row_tiles() -> None:
+    """The worker's ``PassCost`` starts from the loaded model's row tiles
+    (``ModelFacts.pass_tile``: SmolLM2's tied Q8_0 output, multiplied by tinyBLAS 4 rows at
+    a time on AVX-512) and their step (the share of the weight bytes read once more)."""
+    with make_engine() as engine:
+        model = engine.load_model(
+            config=ModelConfig(
+                context=ContextParams(n_ctx=256, n_threads=2), spec_type="ngram-simple"
+            )
+        )
+        facts = model._worker.rt.model.facts  # type: ignore[attr-defined]
+        cost = model._worker.rt.pass_cost.cost  # type: ignore[attr-defined]
+        assert (cost.tile, cost.step) == (facts.pass_tile, facts.pass_tile_share)
+        if facts.pass_tile > 1:  # an x86 build with llamafile
+            assert 0.25 < cost.step < 0.4 and cost.of(7) < cost.of(6) + cost.per_token
