@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.cache.facadekit import req
 from tests.engine.conftest import LOW_GATES, stub_config
 
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
@@ -89,5 +90,41 @@ def test_a_conversation_that_outgrows_ram_is_packed_whole_for_the_disk(tmp_path:
         again = model.complete(longer, GREEDY)
         assert again.stats.cache_hit == "exact"
         assert again.text == second.text
+    finally:
+        eng.close()
+
+
+def test_a_save_a_checked_out_row_leaves_no_room_in_ram_goes_to_disk(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The prompt's row fits the ram tier alone, not beside a row a restore has checked out
+    (which no eviction can move): refused by ram for room, the finish save and then the evict
+    save were lost ("could not be saved; kept live") and a restart prefilled cold. Now the
+    row goes to the disk, as when ram is quiet it would have gone to ram."""
+    root = tmp_path / "disk"
+    with caplog.at_level(logging.INFO, logger="kvwarm"):
+        eng = engine(root, ram=4500, chunk_tokens=16, policy=FINISH_ONLY)
+        try:
+            model = eng.load_model(config=stub_config())
+            blocker = eng.cache.save(req((1, 2, 3), 2000), sync=True)  # 2 KB of the 4.5 KB
+            assert blocker is not None
+            with eng.cache.open_row(blocker):
+                first = model.complete(PROMPT, GREEDY)  # its row: ~3 KB in 16-token chunks
+                assert eng.cache.flush()
+                assert model.evict() == 1
+            tiers = {r.key: r.tier for r in eng.cache.rows()}
+            assert tiers.pop(blocker) == "ram" and set(tiers.values()) == {"disk"}
+            counters = eng.cache.counters()
+            assert counters["save_failures"] == 0 and counters["saves_spilled"] >= 1
+            assert counters["tier_ram_bytes"] <= 4500
+        finally:
+            eng.close()
+    assert "kept live" not in caplog.text and "no room for" not in caplog.text
+    eng = engine(root, ram=4500, chunk_tokens=16, policy=FINISH_ONLY)
+    try:
+        model = eng.load_model(config=stub_config())
+        again = model.complete(PROMPT, GREEDY)
+        assert again.stats.cache_hit == "exact"
+        assert again.text == first.text
     finally:
         eng.close()

@@ -78,7 +78,8 @@ BASE_COUNTERS: tuple[str, ...] = (
     "evicted_bytes",
     # saves a full filesystem (ENOSPC) refused, retried once after evicting from their tier
     "saves_retried_after_enospc",
-    # rows larger than their save tier's quota, saved to a later tier instead (store/saves.py)
+    # rows larger than their save tier's quota, or for which it had no room, saved to a later
+    # tier instead (store/saves.py)
     "saves_spilled",
     # shared tiers (cache/upkeep/shared.py): rows found by probing, keys probed, rounds of probes,
     # remote hits copied to a local tier (or not: writer queue full), unreachable stores

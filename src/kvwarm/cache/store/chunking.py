@@ -67,6 +67,7 @@ HoldRoom = Callable[[int], Callable[[], None]]
 __all__ = [
     "ChunkRead",
     "Freshness",
+    "NoRoomError",
     "PlanBook",
     "RowTooLargeError",
     "chunk_reads",
@@ -234,6 +235,12 @@ class RowTooLargeError(CacheError):
     def __init__(self, message: str, *, size: int) -> None:
         super().__init__(message)
         self.size = size
+
+
+class NoRoomError(CacheError):
+    """A row within its tier's quota for which the tier cannot make room now: what it holds
+    besides is checked out, or held for saves in flight (``CacheCore`` of a ram tier's
+    ``hold``). Nothing was written. Its save may go to another tier (``saves.Saves``)."""
 
 
 def store_row(

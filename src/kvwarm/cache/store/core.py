@@ -42,7 +42,7 @@ from kvwarm.cache.protocols import (
     SyncsDeletes,
     Tier,
 )
-from kvwarm.cache.store.chunking import Freshness, HoldRoom, store_row
+from kvwarm.cache.store.chunking import Freshness, HoldRoom, NoRoomError, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.types import (
@@ -582,7 +582,8 @@ class CacheCore:
 
     def _holder(self, tier: Tier) -> HoldRoom:
         """Room in ``tier`` for a save's new bytes, evicting in policy order; a save that
-        cannot have it (the rest is checked out, or it is larger than the quota) fails."""
+        cannot have it (the rest is checked out or held for saves in flight, or it is larger
+        than the quota) fails with ``NoRoomError`` (``Saves`` tries a later tier)."""
 
         def hold(n_bytes: int) -> Callable[[], None]:
             used, _ = self.index.usage().get(tier.name, (0, 0))
@@ -591,7 +592,7 @@ class CacheCore:
             if victims:
                 self.retire(victims, count=True)
             if not held:
-                raise CacheError(f"{tier.name}: no room for {n_bytes} bytes under its quota")
+                raise NoRoomError(f"{tier.name}: no room for {n_bytes} bytes under its quota")
             return lambda: self.index.give_room(tier.name, n_bytes)
 
         return hold

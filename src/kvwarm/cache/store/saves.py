@@ -10,12 +10,15 @@ miss reason), never a failed request; a row's prompt text reaches a tier only wi
 a row larger than its save tier's quota is saved, through the same publish protocol, to the
 first tier after it that is local to this host and whose quota holds it (``_place``, then
 ``_store`` for what only the writer's exact check finds), never to a tier other processes
-share, and refused only when no such tier holds it (docs/cache.md, "Where a save goes").
+share, and refused only when no such tier holds it (docs/cache.md, "Where a save goes"); so
+is a row its save tier has no room for when it is stored (``_store``: the rest of the tier
+checked out or held by saves in flight, a full filesystem with nothing left to evict).
 See docs/architecture.md ("Chunks").
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -27,6 +30,7 @@ from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.index.inflight import Holds
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.store.chunking import (
+    NoRoomError,
     PlanBook,
     RowTooLargeError,
     held_lead,
@@ -36,11 +40,21 @@ from kvwarm.cache.store.chunking import (
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.types import CacheConfig, SaveRequest, TierName
-from kvwarm.errors import CacheError, CacheNetworkError, InvalidRequestError, KvwarmError
+from kvwarm.errors import (
+    CacheError,
+    CacheIOError,
+    CacheNetworkError,
+    InvalidRequestError,
+    KvwarmError,
+)
 
 __all__ = ["Saves"]
 
 log = logging.getLogger(__name__)
+
+# Why a row left its save tier (``Saves._spilled``'s line).
+_TOO_LARGE = "is larger than the tier's quota"
+_NO_ROOM = "has no room now"
 
 
 class Saves:
@@ -62,7 +76,8 @@ class Saves:
         self._closed = closed
         self._plans = PlanBook()
         self._holds = Holds()
-        self._said: set[tuple[TierName, TierName]] = set()  # (save, spill) tiers said at INFO
+        # (save tier, spill tier, why) said at INFO
+        self._said: set[tuple[TierName, TierName, str]] = set()
         self._said_lock = threading.Lock()
 
     def hold(self, key: bytes) -> None:
@@ -173,48 +188,63 @@ class Saves:
             return other, replace(request, tier=other.name)
         return tier, request
 
-    def _spilled(self, save_tier: TierName, row: StoredRow) -> None:
-        """A row larger than its save tier's quota was published in a later tier: counted,
-        and said at INFO the first time each pair of tiers sees it, at DEBUG after (a long
-        context outgrows a tier turn after turn: one line, not a warning a save)."""
+    def _spilled(self, save_tier: TierName, row: StoredRow, why: str) -> None:
+        """A row was published in a later tier than its save tier (``why`` it left that
+        tier: too large for its quota, no room there now): counted, and said at INFO the
+        first time each pair of tiers sees it for that reason, at DEBUG after (a long context
+        outgrows a tier turn after turn: one line, not a warning a save)."""
         self._core.counters.incr("saves_spilled")
-        pair = (save_tier, row.info.tier)
+        said = (save_tier, row.info.tier, why)
         with self._said_lock:
-            first = pair not in self._said
-            self._said.add(pair)
+            first = said not in self._said
+            self._said.add(said)
         log.log(
             logging.INFO if first else logging.DEBUG,
-            "%s: row %s (%d tokens) is larger than the tier's quota: saved to %s instead%s",
+            "%s: row %s (%d tokens) %s: saved to %s instead%s",
             save_tier,
             row.info.key.hex(),
             row.info.n_tokens,
+            why,
             row.info.tier,
             " (said once per tier; counted in saves_spilled)" if first else "",
         )
 
-    def _store(self, key: bytes, request: SaveRequest, tier: Tier) -> tuple[Tier, StoredRow | None]:
-        """``CacheCore.store_row`` into ``tier``, and the tier that took the row. A row its
-        exact check finds larger than the effective quota (``_place`` estimated it before
-        its payload was cut, against the configured quota, which a filesystem short of room
-        or a memory budget may have cut since) goes to the first of
-        ``CacheCore.spill_tiers`` that holds it, where its payload serves that tier; else
-        the refusal stands."""
+    def _store(
+        self, key: bytes, request: SaveRequest, tier: Tier
+    ) -> tuple[Tier, StoredRow | None, str]:
+        """``CacheCore.store_row`` into ``tier``; the tier that took the row, and why not
+        ``tier`` ("" when it did). A row ``tier`` refuses for room it cannot make goes to the
+        first of ``CacheCore.spill_tiers`` that takes it, where its payload serves that tier;
+        else the refusal stands. That is a row its exact check finds larger than the
+        effective quota (``_place`` estimated it before its payload was cut, against the
+        configured quota, which a filesystem short of room or a memory budget may have cut
+        since), one within the quota that the tier has no room for now (a ram tier whose
+        other rows are checked out, or held by saves in flight: ``NoRoomError``), and one a
+        full filesystem refuses with nothing of the tier left to evict (ENOSPC): under load
+        as in a quiet moment, a later tier with room saves it."""
         chunk_tokens = self._config.chunk_tokens
         try:
-            return tier, self._core.store_row(key, request, tier, chunk_tokens)
-        except RowTooLargeError as exc:
+            return tier, self._core.store_row(key, request, tier, chunk_tokens), ""
+        except CacheError as exc:
+            size = exc.size if isinstance(exc, RowTooLargeError) else None
+            if size is not None:
+                why = _TOO_LARGE
+            elif isinstance(exc, NoRoomError) or _out_of_space(exc):
+                why = _NO_ROOM
+            else:
+                raise
             for other in self._core.spill_tiers(tier):
-                if exc.size > self._core.limit(other):
+                if size is not None and size > self._core.limit(other):
                     continue
                 try:
                     row = self._core.store_row(
                         key, replace(request, tier=other.name), other, chunk_tokens
                     )
-                except CacheError as why:
+                except CacheError as not_there:
                     log.info("%s: %s not spilled to %s: %s", tier.name, key.hex(), other.name,
-                             why)  # fmt: skip
+                             not_there)  # fmt: skip
                     continue
-                return other, row
+                return other, row, why
             raise
 
     def _dropped(self, key: bytes, request: SaveRequest, why: str) -> None:
@@ -229,7 +259,8 @@ class Saves:
         t0 = time.perf_counter()
         published = False
         try:
-            tier, row = self._store(key, request, tier)
+            placed = tier.name
+            tier, row, why = self._store(key, request, tier)
             published = True
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
@@ -254,8 +285,8 @@ class Saves:
         if row is None:  # another writer had it reserved or published: fine if it is there now
             return key in self._core.index
         self._core.counters.record_save(request.reason)
-        if tier.name != save_tier:
-            self._spilled(save_tier, row)
+        if tier.name != save_tier:  # ``_place`` spills only rows too large for its quota
+            self._spilled(save_tier, row, why if placed == save_tier else _TOO_LARGE)
         self._core.retain(tier, row, self._config.state_history)
         self._core.enforce_quota(tier)
         return True
@@ -265,3 +296,9 @@ class Saves:
         if not self._holds.wait_none(timeout_s):
             return False
         return self._writer.drain(max(0.0, deadline - time.monotonic()))
+
+
+def _out_of_space(exc: CacheError) -> bool:
+    """Whether ``exc`` is a full filesystem's refusal that evicting from the tier did not
+    cure (``CacheCore.store_row`` evicts and retries once before it raises it)."""
+    return isinstance(exc, CacheIOError) and exc.errno == errno.ENOSPC
