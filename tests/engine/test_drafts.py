@@ -216,6 +216,28 @@ def test_pass_cost_learns_the_tiles_step_from_split_passes() -> None:
     assert PassCost(tile=1, share=0.9).cost.step == 0.0
 
 
+def test_a_split_baseline_of_several_slots_is_not_counted_as_a_draft_paying_the_step() -> None:
+    """5 slots on a tile of 4: their plain passes pay the step themselves, so a verify pass
+    of 6, 7, 9 rows pays none over them and one of 8 or 12 saves it. Counted as paying it
+    (its rows alone were looked at), such samples fitted a step of 0 against the 0.27 (1.0
+    in one-token passes, over a 5-slot pass of 3.7) that the whole-tile ones save."""
+    truth = Cost(0.5, 0.3, tile=4, step=1.0)
+
+    def seconds(rows: int) -> float:
+        return 0.010 * truth.of(rows - 1)
+
+    for slots in (5, 6):
+        cost = PassCost(clock=lambda: 0.0, tile=4, share=1.0)
+        for _ in range(3):
+            for _ in range(4):
+                cost.observe(slots, 0, seconds(slots))
+            for k in range(1, 12):
+                cost.observe(slots, k, seconds(slots + k))
+        fit, plain = cost.cost, truth.of(slots - 1)
+        assert abs(fit.step - truth.step / plain) < 0.02, (slots, fit)
+        assert abs(fit.per_token - truth.per_token / plain) < 0.01, (slots, fit)
+
+
 def test_pass_cost_baseline_is_not_inflated_by_a_new_contexts_slow_first_passes() -> None:
     # A fresh context's first one-token passes, as measured: several times slower than the
     # rest. Against their median a verify pass would look nearly free (the old baseline fit

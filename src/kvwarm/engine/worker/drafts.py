@@ -1281,7 +1281,11 @@ class PassCost:
     of it (``Cost.split``) pays a ``step`` more: the median of what such samples cost above
     the line, with ``share`` (its prior: the bytes read once more, in one-token passes) worth
     ``_STEP_PRIOR_WEIGHT`` samples; the line is fitted to the samples less that step, twice
-    over (a first step from the prior), so split and whole passes both measure it."""
+    over (a first step from the prior), so split and whole passes both measure it. A sample
+    pays the step against its baseline only where its rows are split and the baseline's
+    (as many rows as slots) are not, and saves it where the baseline's are split and its
+    own not: 5 slots on a tile of 4 pay it plain, and a draft of 3 beside them does not
+    (counted as paying it, such samples fitted a step of 0 against a true 0.27)."""
 
     #: What a pass costs until passes have been timed: a CPU-like guess.
     PRIOR = Cost(0.5, 0.3)
@@ -1304,8 +1308,9 @@ class PassCost:
         self._tile = tile if tile > 1 and share > 0.0 else 1
         self._share = min(self._MAX_STEP, max(0.0, share)) if self._tile > 1 else 0.0
         self._plain: dict[int, deque[float]] = {}
-        #: (when, drafted, its ratio to a plain pass, whether its rows pay ``step``)
-        self._samples: deque[tuple[float, int, float, bool]] = deque(maxlen=self._KEEP)
+        #: (when, drafted, its ratio to a plain pass, the steps it pays over that pass's:
+        #: 1, 0 or -1)
+        self._samples: deque[tuple[float, int, float, int]] = deque(maxlen=self._KEEP)
         self._fit = Cost(self.PRIOR.fixed, self.PRIOR.per_token, self._tile, self._share)
         self._fitted_at: float | None = None  # None: refit at the next read
         self._plain_since = 0  # plain passes since the last verify pass
@@ -1328,8 +1333,8 @@ class PassCost:
         self._plain_since = 0
         if plain is not None and len(plain) >= self._MIN_PLAIN:
             ratio = seconds / sorted(plain)[len(plain) // 4]
-            split = self._fit.split(slots + drafted)
-            self._samples.append((self._clock(), drafted, ratio, split))
+            steps = int(self._fit.split(slots + drafted)) - int(self._fit.split(slots))
+            self._samples.append((self._clock(), drafted, ratio, steps))
             self._fitted_at = None
 
     @property
@@ -1346,21 +1351,26 @@ class PassCost:
     def _estimate(self) -> Cost:
         step = self._share
         fixed, per_token = self._line(step)
-        if any(split for *_, split in self._samples):
-            above = [r - 1.0 - fixed - per_token * k for _, k, r, split in self._samples if split]
+        if any(steps for *_, steps in self._samples):
+            above = [
+                (r - 1.0 - fixed - per_token * k) / steps
+                for _, k, r, steps in self._samples
+                if steps
+            ]
             step = _median([self._share] * self._STEP_PRIOR_WEIGHT + above)
             step = min(self._MAX_STEP, max(0.0, step))
             fixed, per_token = self._line(step)
         return Cost(fixed, per_token, self._tile, step)
 
     def _line(self, step: float) -> tuple[float, float]:
-        """``fixed`` and ``per_token`` of the samples, each less ``step`` where it pays it."""
+        """``fixed`` and ``per_token`` of the samples, each less the ``step`` it pays (or
+        plus the one it saves)."""
         # Every verify pass refits (up to 33 points, 528 pairs, twice with a tile), right
         # after the pass has streamed the weights through the caches: numpy's calls then took
         # ~0.74 ms a fit (cold), this loop ~35 us, the same numbers (IEEE doubles either way;
         # the median of an even count the mean of its middle two, as ``np.median``).
         points = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
-        points += [(k, r - 1.0 - (step if split else 0.0)) for _, k, r, split in self._samples]
+        points += [(k, r - 1.0 - step * steps) for _, k, r, steps in self._samples]
         slopes = [
             (yb - ya) / (xb - xa)
             for a, (xa, ya) in enumerate(points)
