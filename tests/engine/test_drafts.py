@@ -196,6 +196,15 @@ def test_draft_lengths_snap_to_the_tile_where_the_step_outweighs_a_rows_cost() -
     assert budget.length(3, Cost(0.4, 0.3, tile=4, step=0.3), prior=0.95) == 3
 
 
+def test_a_draft_whose_gain_has_stopped_growing_still_reaches_the_next_whole_tile() -> None:
+    """The budget stops looking once a longer draft adds next to nothing (a sentence end the
+    copy rarely goes past: ``through`` 0.03), but a draft past a multiple of the tile pays a
+    step that the next whole tile does not: it stopped at 5 tokens (6 rows) and drafted 3,
+    where 7 (8 rows, no step) is worth 4.5% more per unit of cost."""
+    budget, cost = DraftBudget(), Cost(0.5, 0.002, tile=4, step=0.3)
+    assert budget.length(16, cost, prior=0.5, breaks=(5,), through=0.03) == 7
+
+
 def test_pass_cost_learns_the_tiles_step_from_split_passes() -> None:
     """With a tile, the step starts at the share of the weight bytes read once more
     (``ModelFacts.pass_tile_share``) and follows what split passes cost above the line that

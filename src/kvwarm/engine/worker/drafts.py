@@ -300,8 +300,10 @@ class DraftBudget:
             value = gain / cost.of(k)
             if value > best:
                 best_k, best, best_gain, best_p = k, value, gain, p
-            elif p < 1e-3:
-                break  # the gain has stopped growing; the cost has not
+            elif p < 1e-3 and not cost.split(k + 1):
+                # The gain has stopped growing; the cost has not, but for the step a draft
+                # past a multiple of the tile pays: the next whole tile may cost less.
+                break
         if end and 0 < best_k < limit and k == limit:
             # This pass and, if it is kept whole, one more for the last limit - best_k tokens.
             rest = limit - best_k
