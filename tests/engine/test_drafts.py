@@ -196,6 +196,15 @@ def test_draft_lengths_snap_to_the_tile_where_the_step_outweighs_a_rows_cost() -
     assert budget.length(3, Cost(0.4, 0.3, tile=4, step=0.3), prior=0.95) == 3
 
 
+def test_a_draft_whose_gain_has_stopped_growing_still_reaches_the_next_whole_tile() -> None:
+    """The budget stops looking once a longer draft adds next to nothing (a sentence end the
+    copy rarely goes past: ``through`` 0.03), but a draft past a multiple of the tile pays a
+    step that the next whole tile does not: it stopped at 5 tokens (6 rows) and drafted 3,
+    where 7 (8 rows, no step) is worth 4.5% more per unit of cost."""
+    budget, cost = DraftBudget(), Cost(0.5, 0.002, tile=4, step=0.3)
+    assert budget.length(16, cost, prior=0.5, breaks=(5,), through=0.03) == 7
+
+
 def test_pass_cost_learns_the_tiles_step_from_split_passes() -> None:
     """With a tile, the step starts at the share of the weight bytes read once more
     (``ModelFacts.pass_tile_share``) and follows what split passes cost above the line that
@@ -214,6 +223,28 @@ def test_pass_cost_learns_the_tiles_step_from_split_passes() -> None:
     # No tile (a GPU, a build without tinyBLAS, no such weight): no step, whatever the share.
     assert PassCost(tile=4, share=0.0).cost.tile == 1
     assert PassCost(tile=1, share=0.9).cost.step == 0.0
+
+
+def test_a_split_baseline_of_several_slots_is_not_counted_as_a_draft_paying_the_step() -> None:
+    """5 slots on a tile of 4: their plain passes pay the step themselves, so a verify pass
+    of 6, 7, 9 rows pays none over them and one of 8 or 12 saves it. Counted as paying it
+    (its rows alone were looked at), such samples fitted a step of 0 against the 0.27 (1.0
+    in one-token passes, over a 5-slot pass of 3.7) that the whole-tile ones save."""
+    truth = Cost(0.5, 0.3, tile=4, step=1.0)
+
+    def seconds(rows: int) -> float:
+        return 0.010 * truth.of(rows - 1)
+
+    for slots in (5, 6):
+        cost = PassCost(clock=lambda: 0.0, tile=4, share=1.0)
+        for _ in range(3):
+            for _ in range(4):
+                cost.observe(slots, 0, seconds(slots))
+            for k in range(1, 12):
+                cost.observe(slots, k, seconds(slots + k))
+        fit, plain = cost.cost, truth.of(slots - 1)
+        assert abs(fit.step - truth.step / plain) < 0.02, (slots, fit)
+        assert abs(fit.per_token - truth.per_token / plain) < 0.01, (slots, fit)
 
 
 def test_pass_cost_baseline_is_not_inflated_by_a_new_contexts_slow_first_passes() -> None:
@@ -479,6 +510,57 @@ def test_a_save_into_a_full_index_reads_no_other_namespace() -> None:
         drafts.saved(ns, list(range(200_000 + 100 * i, 200_000 + 100 * i + 10)))
     assert drafts.tokens == 3000 and drafts.held(None) == drafts.held("a" * 64) == 1500
     assert _Visits.visited == 0
+
+
+class _Read(tuple[int, ...]):
+    """A row's tokens, counting each token read one at a time (a row compared with another
+    reads its tokens one by one; hashing its n-grams reads slices)."""
+
+    reads = 0
+
+    def __getitem__(self, i: object) -> object:  # type: ignore[override]
+        if isinstance(i, int):
+            _Read.reads += 1
+        return super().__getitem__(i)  # type: ignore[call-overload]
+
+
+def test_indexing_many_short_rows_compares_a_row_with_the_others_only_where_it_must() -> None:
+    """A row is skipped where an indexed row begins with all of it; found by review, every
+    row was compared with every row indexed, and a rebuild of the index (each row indexed
+    again, none of them such a prefix) with all before it: 1.15 s of the worker's thread for
+    the index of 12-token rows at its bound (26 ms before), 125 ms for 40-token rows. A row
+    one of whose n-grams is not indexed is no indexed row's beginning; a rebuild's rows were
+    each compared when they were indexed first."""
+    cache = _Rows2()
+    ns = _ns(b"a")
+    now = [0.0]
+    rows = 512
+    for i in range(rows):  # a template's 3 tokens, then a short reply of the row's own
+        cache.add(ns, [1, 2, 3, *range(1000 + 8 * i, 1000 + 8 * i + 8)])
+    cache.rows = {key: (space, _Read(toks)) for key, (space, toks) in cache.rows.items()}
+    bound = rows * 11 + 64 * 8
+    drafts = _drafts(cache, max_tokens=bound, clock=lambda: now[0])
+    _Read.reads = 0
+    for _ in range(rows // 64):
+        drafts.refresh(ns)
+        now[0] += 2.0
+    assert drafts.tokens == rows * 11
+    assert _Read.reads <= 2 * rows, _Read.reads
+    for i in range(64):  # replies that copy the rows indexed last: compared, then indexed
+        drafts.saved(ns, list(range(1000 + 8 * i, 1000 + 8 * i + 8)))
+    assert drafts.tokens == bound
+    _Read.reads = 0
+    drafts.saved(ns, list(range(50_000, 50_011)))  # past the bound: the index is rebuilt
+    assert bound // 2 - 11 < drafts.tokens <= bound // 2
+    assert _Read.reads <= rows, _Read.reads
+    assert _cont(drafts, ns, (1000, 1001), 1) == [1002]  # the row indexed last is kept
+    # A prefix or a copy of a row indexed is still skipped, a row that copies others not.
+    held = drafts.tokens
+    drafts.saved(ns, [1, 2, 3, *range(1000, 1005)])
+    drafts.saved(ns, list(range(50_000, 50_008)))
+    assert drafts.tokens == held
+    drafts.saved(ns, list(range(50_003, 50_011)))  # each n-gram indexed, not its start
+    assert drafts.tokens == held + 8
 
 
 def test_a_namespaces_tenant_is_its_salts_key() -> None:

@@ -300,8 +300,10 @@ class DraftBudget:
             value = gain / cost.of(k)
             if value > best:
                 best_k, best, best_gain, best_p = k, value, gain, p
-            elif p < 1e-3:
-                break  # the gain has stopped growing; the cost has not
+            elif p < 1e-3 and not cost.split(k + 1):
+                # The gain has stopped growing; the cost has not, but for the step a draft
+                # past a multiple of the tile pays: the next whole tile may cost less.
+                break
         if end and 0 < best_k < limit and k == limit:
             # This pass and, if it is kept whole, one more for the last limit - best_k tokens.
             rest = limit - best_k
@@ -1080,23 +1082,32 @@ class RowDrafts:
         space.seqs, space.starts, space.tokens = [], {}, 0
         space.counts, space.counted, space.counted_tokens = None, 0, 0
         for seq in reversed(kept):
-            self._add(space, seq)
+            self._add(space, seq, compared=True)
 
-    def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
+    def _add(self, space: _Rows, tokens: tuple[int, ...], *, compared: bool = False) -> None:
         """Index a row, unless an indexed row begins with all of it (a prefix or a copy of
         one, whose occurrences in their contexts are indexed already): each of its n-grams'
         occurrences, the latest ``CANDIDATES`` of each kept. A row whose n-grams all occur in
         other rows is indexed too: the same n-grams in another context are what a replay
         follows (``Drafter._follow_rows``). A reply that copies its prompt holds no n-gram
         its prompt's row does not, and was not indexed: Gemma 3 270M's JSON rewrite, sent
-        again, drafted from its own text, not from the reply it got before."""
+        again, drafted from its own text, not from the reply it got before. Only a row all
+        of whose n-grams are indexed is compared with the rows (a row beginning with it holds
+        them all), and ``compared`` (a rebuild's, each compared when indexed first) none:
+        every row compared with every row cost a rebuild of 12-token rows 1.15 s."""
         n, starts, size = self.n, space.starts, len(tokens)
-        if size <= n or any(
-            len(seq) >= size and seq[size - 1] == tokens[-1] and seq[:size] == tokens
-            for seq in space.seqs
-        ):
+        if size <= n:
             return
         hashes = [hash(tokens[start : start + n]) for start in range(size - n)]
+        if (
+            not compared
+            and all(h in starts for h in hashes)
+            and any(
+                len(seq) >= size and seq[size - 1] == tokens[-1] and seq[:size] == tokens
+                for seq in space.seqs
+            )
+        ):
+            return
         seq = len(space.seqs) << 32
         for start, h in enumerate(hashes):
             at = starts.get(h)
@@ -1272,7 +1283,11 @@ class PassCost:
     of it (``Cost.split``) pays a ``step`` more: the median of what such samples cost above
     the line, with ``share`` (its prior: the bytes read once more, in one-token passes) worth
     ``_STEP_PRIOR_WEIGHT`` samples; the line is fitted to the samples less that step, twice
-    over (a first step from the prior), so split and whole passes both measure it."""
+    over (a first step from the prior), so split and whole passes both measure it. A sample
+    pays the step against its baseline only where its rows are split and the baseline's
+    (as many rows as slots) are not, and saves it where the baseline's are split and its
+    own not: 5 slots on a tile of 4 pay it plain, and a draft of 3 beside them does not
+    (counted as paying it, such samples fitted a step of 0 against a true 0.27)."""
 
     #: What a pass costs until passes have been timed: a CPU-like guess.
     PRIOR = Cost(0.5, 0.3)
@@ -1295,8 +1310,9 @@ class PassCost:
         self._tile = tile if tile > 1 and share > 0.0 else 1
         self._share = min(self._MAX_STEP, max(0.0, share)) if self._tile > 1 else 0.0
         self._plain: dict[int, deque[float]] = {}
-        #: (when, drafted, its ratio to a plain pass, whether its rows pay ``step``)
-        self._samples: deque[tuple[float, int, float, bool]] = deque(maxlen=self._KEEP)
+        #: (when, drafted, its ratio to a plain pass, the steps it pays over that pass's:
+        #: 1, 0 or -1)
+        self._samples: deque[tuple[float, int, float, int]] = deque(maxlen=self._KEEP)
         self._fit = Cost(self.PRIOR.fixed, self.PRIOR.per_token, self._tile, self._share)
         self._fitted_at: float | None = None  # None: refit at the next read
         self._plain_since = 0  # plain passes since the last verify pass
@@ -1319,8 +1335,8 @@ class PassCost:
         self._plain_since = 0
         if plain is not None and len(plain) >= self._MIN_PLAIN:
             ratio = seconds / sorted(plain)[len(plain) // 4]
-            split = self._fit.split(slots + drafted)
-            self._samples.append((self._clock(), drafted, ratio, split))
+            steps = int(self._fit.split(slots + drafted)) - int(self._fit.split(slots))
+            self._samples.append((self._clock(), drafted, ratio, steps))
             self._fitted_at = None
 
     @property
@@ -1337,21 +1353,26 @@ class PassCost:
     def _estimate(self) -> Cost:
         step = self._share
         fixed, per_token = self._line(step)
-        if any(split for *_, split in self._samples):
-            above = [r - 1.0 - fixed - per_token * k for _, k, r, split in self._samples if split]
+        if any(steps for *_, steps in self._samples):
+            above = [
+                (r - 1.0 - fixed - per_token * k) / steps
+                for _, k, r, steps in self._samples
+                if steps
+            ]
             step = _median([self._share] * self._STEP_PRIOR_WEIGHT + above)
             step = min(self._MAX_STEP, max(0.0, step))
             fixed, per_token = self._line(step)
         return Cost(fixed, per_token, self._tile, step)
 
     def _line(self, step: float) -> tuple[float, float]:
-        """``fixed`` and ``per_token`` of the samples, each less ``step`` where it pays it."""
+        """``fixed`` and ``per_token`` of the samples, each less the ``step`` it pays (or
+        plus the one it saves)."""
         # Every verify pass refits (up to 33 points, 528 pairs, twice with a tile), right
         # after the pass has streamed the weights through the caches: numpy's calls then took
         # ~0.74 ms a fit (cold), this loop ~35 us, the same numbers (IEEE doubles either way;
         # the median of an even count the mean of its middle two, as ``np.median``).
         points = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
-        points += [(k, r - 1.0 - (step if split else 0.0)) for _, k, r, split in self._samples]
+        points += [(k, r - 1.0 - step * steps) for _, k, r, steps in self._samples]
         slopes = [
             (yb - ya) / (xb - xa)
             for a, (xa, ya) in enumerate(points)
