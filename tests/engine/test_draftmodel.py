@@ -161,6 +161,7 @@ def test_a_sliding_window_draft_rolls_back_and_restores_exactly(restore: bool) -
         assert late.restored_tokens == len(prompt)
 
 
+@pytest.mark.usefixtures("free_draft_passes")
 def test_a_sliding_window_draft_model_gets_a_full_size_window() -> None:
     """A sliding-window draft model's context keeps every cell (``swa_full``), so the model,
     whose own context does not, drafts with it, and its greedy reply is plain decoding's (found

@@ -37,7 +37,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -47,7 +48,7 @@ from kvwarm.backends.base import BackendContext, BackendModel, BatchToken
 from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch
-from kvwarm.engine.worker.drafts import Cost, DraftBudget
+from kvwarm.engine.worker.drafts import Cost, DraftBudget, DraftCost
 from kvwarm.errors import ConfigError, KvwarmError, StateRestoreError
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class DraftModel:
         path: str,
         n_ctx_slot: int,
         n_target_vocab: int | None = None,
+        relative_size: float = 1.0,
     ) -> None:
         self.model = model
         #: The draft model's vocabulary and the model's (they may differ by up to
@@ -179,6 +181,9 @@ class DraftModel:
         #: which rows are this draft model's where its file is also served (``used``).
         self._used: dict[Namespace, None] = {}
         self._used_lock = threading.Lock()
+        #: What one of its passes costs in the model's (``DraftCost``): from its weights'
+        #: size over the model's (``relative_size``) until its passes are timed.
+        self.cost = DraftCost(relative_size)
 
     def namespace_for(self, salt: bytes | None) -> Namespace:
         ns = salted_namespace(self.namespace, salt)
@@ -270,7 +275,9 @@ class DraftModel:
         draft: list[int] = []
         token, pos = text[n], n
         while True:
+            started = time.perf_counter()
             ctx.decode([BatchToken(token, pos, seq, True)])
+            self.cost.observe(time.perf_counter() - started)
             held.append(token)
             row = np.frombuffer(ctx.logits(0), dtype=np.float32)
             best = int(row.argmax())
@@ -359,8 +366,8 @@ class ModelDrafter:
     """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
 
     __slots__ = (
-        "asked", "budget", "draft_max", "model", "ns", "prompt", "read", "seq", "stopped",
-        "store",
+        "asked", "budget", "draft_max", "model", "ns", "plain", "prompt", "read", "seq",
+        "stopped", "store",
     )  # fmt: skip
 
     def __init__(
@@ -371,9 +378,13 @@ class ModelDrafter:
         ns: Namespace,
         prompt: Sequence[int],
         draft_max: int,
+        plain: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.model = model
         self.store = store
+        #: What the model's one-token pass takes now (``PassCost.plain``), the unit of the
+        #: draft model's passes' cost (``DraftCost``).
+        self.plain = plain
         self.seq = seq
         self.ns = ns
         self.prompt = list(prompt)
@@ -391,12 +402,15 @@ class ModelDrafter:
         self, generated: Sequence[int], limit: int, cost: Cost, *, end: bool = False
     ) -> list[int]:
         """Up to ``limit`` tokens of the draft model's (fewer where the acceptance seen makes
-        a long draft not worth its pass; none after a failure of the draft model). ``end``
-        as for an n-gram draft (``DraftBudget.length``)."""
+        a long draft not worth its passes, the verify pass's and the draft model's own:
+        ``DraftCost``; none after a failure of the draft model). ``end`` as for an n-gram
+        draft (``DraftBudget.length``)."""
         end = end and limit <= self.draft_max
-        limit = self.budget.length(min(limit, self.draft_max), cost, end=end)
+        total = self.model.cost.total(cost, self.plain())
+        limit = self.budget.length(min(limit, self.draft_max), total, end=end)
         if self.stopped or limit <= 0:
             self.budget.skipped()
+            self.model.cost.idle()
             return []
         text = [*self.prompt, *generated]
         at = self.model.unreadable(text, self.read)
