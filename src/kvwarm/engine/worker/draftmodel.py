@@ -10,7 +10,7 @@ model says.
   or another request's, are removed; a prefill runs one ``n_batch`` chunk per tick, with no
   draft until it has caught up), decodes that last token and then its own greedy
   tokens one at a time, each while the draft model gives it at least ``P_MIN`` (llama-server's
-  ``--draft-p-min``), at most the draft's limit.
+  ``--draft-p-min``), at most the draft's limit; each pass timed (``DraftCost``, ``cost``).
 - Its own cache namespace (the draft model's fingerprint, its context's hash, the request's
   salt folded in like the target's): the first draft of a request restores the longest
   cached prefix of its prompt into the draft context instead of prefilling it again, and a
@@ -23,7 +23,8 @@ model says.
 - A sliding-window draft model runs with a full-size SWA cache (``swa_full``), whose live
   state trims like full attention; a row longer than its window resumes at its own length
   alone, and a sequence restored from one is never trimmed below it (``kvwarm.memory``).
-- ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``).
+- ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``), as long
+  as ``DraftBudget`` finds worth their verify pass and the draft model's passes together.
 
 Invariants: worker thread only; the draft context decodes no token past the draft model's
 vocabulary, and no draft holds one past the model's; ``held[seq]`` lists exactly what the

@@ -31,6 +31,9 @@ costs the extra positions of one pass, never a different output. Here:
   passes just before it, so the trade-off follows the hardware (a GPU verifies 16 tokens for
   little more than one; a CPU pays for the first drafted token what a whole pass costs) and
   not another process's load.
+- ``DraftCost``: what a draft model's pass costs in the model's one-token passes, measured
+  the same way: a draft model's draft of ``k`` tokens costs ``k`` of them besides its verify
+  pass, and is priced by both.
 
 Invariants: nothing here touches the context or the sampler; a drafter reads only its own
 request's tokens and its own tenant's rows (the tenant rule: ``docs/architecture.md``,
