@@ -260,7 +260,15 @@ class DraftModel:
             common = self._restore(store, seq, ns, text[:prompt_len], common)
             if first:
                 self._catching[seq] = common
-        if common < n:
+        # The reply's tokens the sequence lacks (the last draft's last token, kept; tokens
+        # decoded without a draft), where they fit the first draft pass: they go in it, not
+        # in a pass of their own (found by review, issue 39: a draft kept whole cost the
+        # draft model one pass more than it drafted tokens).
+        behind: Sequence[int] = ()
+        if prompt_len <= common < n and n + 1 - common <= ctx.n_batch:
+            behind = text[common:n]
+            self.prefilled_tokens += n - common
+        elif common < n:
             # One chunk a tick (the other slots' passes wait for this one): no draft until the
             # sequence has caught up; a chunk ends at the prompt's end, for its save.
             end = min(n, common + ctx.n_batch)
@@ -276,11 +284,15 @@ class DraftModel:
         draft: list[int] = []
         token, pos = text[n], n
         while True:
+            batch = [BatchToken(t, common + i, seq, False) for i, t in enumerate(behind)]
+            batch.append(BatchToken(token, pos, seq, True))
             started = time.perf_counter()
-            ctx.decode([BatchToken(token, pos, seq, True)])
+            ctx.decode(batch)
             self.cost.observe(time.perf_counter() - started)
+            held.extend(behind)
             held.append(token)
-            row = np.frombuffer(ctx.logits(0), dtype=np.float32)
+            row = np.frombuffer(ctx.logits(len(behind)), dtype=np.float32)
+            behind = ()
             best = int(row.argmax())
             if best >= self.n_target_vocab:
                 break  # a token the model does not have: never a draft token
