@@ -8,7 +8,8 @@ model says.
   and what each holds (``held``). A draft brings the sequence to the request's text minus its
   last token (keeping the longest common prefix of what it held: a rejected draft's cells,
   or another request's, are removed; a prefill runs one ``n_batch`` chunk per tick, with no
-  draft until it has caught up), decodes that last token and then its own greedy
+  draft until it has caught up; reply tokens it lacks go in the first draft pass where they
+  fit), decodes that last token and then its own greedy
   tokens one at a time, each while the draft model gives it at least ``P_MIN`` (llama-server's
   ``--draft-p-min``), at most the draft's limit; each pass timed (``DraftCost``, ``cost``).
 - Its own cache namespace (the draft model's fingerprint, its context's hash, the request's
