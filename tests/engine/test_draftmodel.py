@@ -228,9 +228,9 @@ def test_a_draft_kept_whole_costs_the_draft_model_one_pass_a_drafted_token() -> 
         passes.append(len(batch))
         decode(batch)
 
-    def counted_prefill(seq: int, tokens: Sequence[int], start: int) -> None:
+    def counted_prefill(seq: int, tokens: Sequence[int], start_pos: int) -> None:
         passes.append(-len(tokens))  # a prefill: negative
-        prefill(seq, tokens, start)
+        prefill(seq, tokens, start_pos)
 
     dm.ctx.decode, dm.ctx.prefill = counted_decode, counted_prefill  # type: ignore[method-assign]
     drafted = 0
