@@ -157,6 +157,25 @@ def gemma_path() -> str:
     return str(path)
 
 
+#: Put in a child process's script (or run in process) to price a draft model's passes at
+#: nothing: see ``free_draft_passes``.
+FREE_DRAFT_PASSES = (
+    "from kvwarm.engine.worker.drafts import DraftCost\n"
+    "DraftCost.per_token = lambda self, plain: 0.0\n"
+)
+
+
+@pytest.fixture
+def free_draft_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model's own passes priced at nothing (``DraftCost``). The draft models of the
+    tests (the stub's, SmolLM2 or Gemma 3 drafting for itself, the tiny chain models) cost
+    what the model's passes cost, which prices every draft out; a test of what drafts do
+    (not of whether they pay) needs them made."""
+    from kvwarm.engine.worker.drafts import DraftCost
+
+    monkeypatch.setattr(DraftCost, "per_token", lambda self, plain: 0.0)
+
+
 @pytest.fixture(autouse=True)
 def _process_limits_kept() -> Generator[None, None, None]:
     """A test that bounds this process's address space (a danger case run in process) must

@@ -20,7 +20,8 @@ from kvwarm.backends.base import ContextParams
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
 
-pytestmark = pytest.mark.model
+#: Drafts made whatever they cost: the draft models are as large as the model.
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("free_draft_passes")]
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 GREEDY = GenerationOptions(max_tokens=24, temperature=0.0)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from tests.engine.conftest import make_engine, stub_config
 
-from kvwarm.backends.base import ContextParams
+from kvwarm.backends.base import BatchToken, ContextParams
 from kvwarm.backends.stub import StubBackend
 from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.types import GenerationOptions
@@ -161,6 +161,7 @@ def test_a_sliding_window_draft_rolls_back_and_restores_exactly(restore: bool) -
         assert late.restored_tokens == len(prompt)
 
 
+@pytest.mark.usefixtures("free_draft_passes")
 def test_a_sliding_window_draft_model_gets_a_full_size_window() -> None:
     """A sliding-window draft model's context keeps every cell (``swa_full``), so the model,
     whose own context does not, drafts with it, and its greedy reply is plain decoding's (found
@@ -205,3 +206,43 @@ def test_the_namespaces_a_draft_model_used_are_the_latest_and_bounded() -> None:
         assert dm.namespace_for(b"1") not in used  # the oldest went
     finally:
         dm.close()
+
+
+def test_a_draft_kept_whole_costs_the_draft_model_one_pass_a_drafted_token() -> None:
+    """A draft of ``k`` tokens kept whole: the draft context lacks only its last token (never
+    decoded, it drafted nothing after it), which goes in the next draft's first pass with the
+    token the model sampled, so each drafted token costs one draft pass, as ``DraftCost``
+    prices it. Found by review (issue 39): that token was prefilled in a pass of its own, one
+    draft pass more than drafted tokens a round (5 for a draft of 4)."""
+    backend = StubBackend(copy_bias=8.0)
+    dm = _draft_model(backend)
+    store = _Rows()
+    prompt = dm.model.tokenize(PHRASE * 6, add_special=True)
+    cycle = dm.model.tokenize(PHRASE, add_special=False)
+    text = [*prompt, cycle[0]]  # BOS, the phrase 6 times, its first token
+    _propose(dm, store, text, len(prompt), first=True)  # the prompt, prefilled
+    passes: list[int] = []
+    decode, prefill = dm.ctx.decode, dm.ctx.prefill
+
+    def counted_decode(batch: Sequence[BatchToken]) -> None:
+        passes.append(len(batch))
+        decode(batch)
+
+    def counted_prefill(seq: int, tokens: Sequence[int], start_pos: int) -> None:
+        passes.append(-len(tokens))  # a prefill: negative
+        prefill(seq, tokens, start_pos)
+
+    dm.ctx.decode, dm.ctx.prefill = counted_decode, counted_prefill  # type: ignore[method-assign]
+    drafted = 0
+    for _ in range(5):
+        before = len(passes)
+        got = dm.propose(store, 0, NS, text, len(prompt), 4)
+        assert len(got) == 4 and len(passes) - before == 4  # one pass a drafted token
+        drafted += len(got)
+        text += got  # kept whole, and the model sampled what a draft model guesses next
+        text.append(_fresh(backend, text)[0][0])
+    assert min(passes) > 0 and sum(passes) == drafted + 4  # each ran along the next draft
+    # The same draft as a fresh context's, from the same cells.
+    assert (dm.propose(store, 0, NS, text, len(prompt), 4), dm.ctx.kv_pack(0)) == _fresh(
+        backend, text, len(prompt)
+    )

@@ -19,6 +19,7 @@ from kvwarm.engine.worker.drafts import (
     CopyEnds,
     Cost,
     DraftBudget,
+    DraftCost,
     Drafter,
     NgramIndex,
     PassCost,
@@ -72,6 +73,75 @@ def test_budget_drafts_nothing_when_nothing_pays() -> None:
     for _ in range(8):
         budget.verified(32, 32)
     assert budget.length(32, cpu) >= 16
+
+
+def test_a_draft_models_own_passes_price_its_drafts() -> None:
+    """A draft model's draft of ``k`` tokens costs ``k`` of its passes besides the verify pass
+    (``DraftCost.total``): one as costly as the model drafts nothing, whatever the acceptance
+    and even where verify rows are nearly free (a GPU); a cheap one drafts long where its
+    drafts hold. Found by review (issue 39): the verify pass alone was priced, so SmolLM2
+    drafting for itself drafted long on a CPU, slower than plain decoding."""
+    cpu, gpu = Cost(0.4, 0.3), Cost(0.02, 0.01)
+    same, cheap = DraftCost(1.0), DraftCost(0.05)
+    mediocre, sure = DraftBudget(), DraftBudget()
+    for _ in range(8):
+        mediocre.verified(4, 2)
+        sure.verified(16, 16)
+    assert 0.4 < mediocre.acceptance() < 0.8 and sure.acceptance() > 0.95
+    for budget in (DraftBudget(), mediocre, sure):
+        assert budget.length(16, cpu) > 0  # the verify pass alone: it drafts ...
+        for target in (cpu, gpu):
+            assert budget.length(16, same.total(target, None)) == 0  # ... not at its cost
+    assert 1 <= mediocre.length(16, cheap.total(cpu, None)) <= 4
+    assert sure.length(16, cheap.total(cpu, None)) >= 12
+    assert sure.length(16, cheap.total(gpu, None)) == 16
+    assert cheap.total(cpu, None) == Cost(0.4, 0.35)
+
+
+def test_a_draft_models_cost_is_measured_robustly_and_comes_back_to_its_prior() -> None:
+    """``DraftCost``: its prior until ``_MIN`` passes are timed, then the lower quartile of the
+    recent ones over the model's plain pass (``PassCost.plain``), so passes stalled by another
+    process move it little; once nothing was drafted for ``_WINDOW_S`` seconds or ``_STALE``
+    drafts, the prior comes back (a cost measured under a stall is measured again)."""
+    now = [0.0]
+    cost = DraftCost(0.1, clock=lambda: now[0])
+    for _ in range(DraftCost._MIN - 1):
+        cost.observe(0.02)
+    assert cost.per_token(0.01) == 0.1  # too few passes yet: the prior
+    cost.observe(0.02)
+    assert cost.per_token(0.01) == pytest.approx(2.0)  # twice the model's pass
+    assert cost.per_token(None) == 0.1  # the model's pass not timed yet: the prior
+    for _ in range(8):
+        cost.observe(1.0)  # stalled
+    for _ in range(20):
+        cost.observe(0.021)
+    assert cost.per_token(0.01) == pytest.approx(2.1)
+    now[0] += DraftCost._WINDOW_S + 1
+    assert cost.per_token(0.01) == 0.1  # none recent: the prior, tried and timed again
+    for _ in range(DraftCost._MIN):
+        cost.observe(0.05)
+    assert cost.per_token(0.01) == pytest.approx(4.0)  # the bound: ``_MAX``
+    for _ in range(DraftCost._STALE - 1):
+        cost.idle()
+    assert cost.per_token(0.01) == pytest.approx(4.0)
+    cost.idle()
+    assert cost.per_token(0.01) == 0.1
+
+
+def test_pass_cost_plain_is_one_slots_lower_quartile() -> None:
+    cost = PassCost(clock=lambda: 0.0)
+    for seconds in (0.5, 0.4):
+        cost.observe(2, 0, seconds)
+        cost.observe(1, 0, seconds)
+    assert cost.plain() is None  # fewer than ``_MIN_PLAIN``
+    for seconds in (0.2, 0.3, 9.0):
+        cost.observe(2, 0, seconds)
+    assert cost.plain() == 0.3  # two slots' where one slot's are too few
+    for seconds in (0.1, 0.15, 0.2, 0.25):
+        cost.observe(1, 0, seconds)
+    assert cost.plain() == 0.15
+    cost.observe(1, 4, 0.01)  # a verify pass: no plain pass
+    assert cost.plain() == 0.15
 
 
 def test_a_draft_near_the_requests_end_goes_to_it_where_the_rest_would_cost_a_pass() -> None:

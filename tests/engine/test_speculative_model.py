@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests.childkit import run_child
+from tests.conftest import FREE_DRAFT_PASSES
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
@@ -708,11 +709,14 @@ def test_f32_and_f16_adapters_requests_decode_plainly_and_a_q8_0_adapters_specul
 
 @pytest.fixture(scope="module")
 def drafted() -> Iterator[Model]:
-    """SmolLM2 drafting for itself: the same vocabulary, so its drafts are mostly accepted."""
+    """SmolLM2 drafting for itself: the same vocabulary, so its drafts are mostly accepted
+    (its passes priced at nothing: at their cost, no draft pays)."""
     import kvwarm.embedded
+    from kvwarm.engine.worker.drafts import DraftCost
 
     path = str(kvwarm.embedded.default_model_path())
-    with make_engine() as engine:
+    with make_engine() as engine, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DraftCost, "per_token", lambda self, plain: 0.0)
         config = ModelConfig(
             context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
             draft_model=path,
@@ -773,6 +777,7 @@ from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.draftmodel import DraftModel
 from tests.engine.conftest import make_engine
+{FREE_DRAFT_PASSES}
 {GEMMA_COPY}# 2048 cells: more than the window's cache would hold without swa_full (512 + a batch).
 context = ContextParams(n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=2)
 config = ModelConfig(context=context, draft_model=sys.argv[1], spec_draft_max=8)
@@ -820,7 +825,7 @@ with make_engine() as engine:
     restored = draft.restored_tokens
     model.complete(prompt, opts, cache_salt="draft")
     print("RESTORED", draft.restored_tokens - restored >= len(spec.prompt_tokens) - 1)
-""".replace("{GEMMA_COPY}", GEMMA_COPY)
+""".replace("{GEMMA_COPY}", GEMMA_COPY).replace("{FREE_DRAFT_PASSES}", FREE_DRAFT_PASSES)
 
 
 def test_gemma_3_drafts_for_itself_with_a_full_size_window(gemma_path: str) -> None:

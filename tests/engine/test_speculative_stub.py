@@ -736,6 +736,7 @@ def test_only_a_greedy_request_trusts_an_earlier_reply(engine: Engine) -> None:
 # ---- a draft model ------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("free_draft_passes")
 def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) -> None:
     """The stub drafting for itself (the same vocabulary): its greedy tokens are drafts, the
     reply is plain decoding's; a request may still choose n-grams or none."""
@@ -753,6 +754,24 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
     assert ngram.completion_tokens == plain.completion_tokens
 
 
+def test_a_draft_model_as_costly_as_the_model_drafts_nothing(engine: Engine) -> None:
+    """A draft of ``k`` tokens costs ``k`` passes of the draft model besides its verify pass
+    (``DraftCost``): a draft model as large as the model (its weights' size: the prior) makes
+    every drafted token cost more than the pass it could save, so the budget drafts nothing and
+    the draft model never runs, not even its prefill. Found by review (issue 39): the budget
+    priced the verify pass alone, and the stub drafting for itself drafted every copy, as
+    SmolLM2 or Gemma 3 270M drafting for themselves did, slower than plain decoding."""
+    model = engine.load_model(
+        config=replace(spec_config(), spec_type=None, draft_model="draft-stub.gguf")
+    )
+    plain, spec = both(model, PROMPT, GREEDY)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.drafted_tokens == 0
+    draft = model._draft
+    assert draft is not None and draft.prefilled_tokens == draft.restored_tokens == 0
+
+
+@pytest.mark.usefixtures("free_draft_passes")
 def test_a_draft_model_told_spec_type_none_drafts_only_for_requests_that_ask(
     engine: Engine,
 ) -> None:
@@ -791,6 +810,7 @@ def test_draft_needs_a_draft_model(engine: Engine) -> None:
         engine.load_model(config=replace(spec_config(), spec_type="draft-simple"))
 
 
+@pytest.mark.usefixtures("free_draft_passes")
 def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -941,6 +961,7 @@ def test_a_failing_ngram_drafter_ends_drafting_and_the_request_decodes_plainly(
     assert any("drafting failed" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
+@pytest.mark.usefixtures("free_draft_passes")
 def test_an_unexpected_draft_model_fault_ends_drafting_and_the_request_decodes_plainly(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1073,6 +1094,7 @@ def test_a_prediction_is_indexed_only_where_its_request_drafts_from_rows(
     assert len(made) == 1
 
 
+@pytest.mark.usefixtures("free_draft_passes")
 def test_a_draft_model_loads_beside_a_model_of_a_supplied_fingerprint(
     engine: Engine, tmp_path: Path
 ) -> None:

@@ -255,6 +255,7 @@ DRAFTED = "The quick brown fox jumps over the lazy dog while the cat sleeps on t
 
 
 @pytest.mark.parametrize("served", [False, True])
+@pytest.mark.usefixtures("free_draft_passes")
 def test_a_draft_models_rows_count_with_the_model_that_drafts_with_them(
     served: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

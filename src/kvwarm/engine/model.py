@@ -350,6 +350,7 @@ class Model:
                     path=str(path),
                     n_ctx_slot=ran.n_ctx,
                     n_target_vocab=self._bmodel.facts.n_vocab,
+                    relative_size=bmodel.facts.size_bytes / max(1, self._bmodel.facts.size_bytes),
                 )
             except BaseException:
                 ctx.close()

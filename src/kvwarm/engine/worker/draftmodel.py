@@ -8,9 +8,10 @@ model says.
   and what each holds (``held``). A draft brings the sequence to the request's text minus its
   last token (keeping the longest common prefix of what it held: a rejected draft's cells,
   or another request's, are removed; a prefill runs one ``n_batch`` chunk per tick, with no
-  draft until it has caught up), decodes that last token and then its own greedy
+  draft until it has caught up; reply tokens it lacks go in the first draft pass where they
+  fit), decodes that last token and then its own greedy
   tokens one at a time, each while the draft model gives it at least ``P_MIN`` (llama-server's
-  ``--draft-p-min``), at most the draft's limit.
+  ``--draft-p-min``), at most the draft's limit; each pass timed (``DraftCost``, ``cost``).
 - Its own cache namespace (the draft model's fingerprint, its context's hash, the request's
   salt folded in like the target's): the first draft of a request restores the longest
   cached prefix of its prompt into the draft context instead of prefilling it again, and a
@@ -23,7 +24,8 @@ model says.
 - A sliding-window draft model runs with a full-size SWA cache (``swa_full``), whose live
   state trims like full attention; a row longer than its window resumes at its own length
   alone, and a sequence restored from one is never trimmed below it (``kvwarm.memory``).
-- ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``).
+- ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``), as long
+  as ``DraftBudget`` finds worth their verify pass and the draft model's passes together.
 
 Invariants: worker thread only; the draft context decodes no token past the draft model's
 vocabulary, and no draft holds one past the model's; ``held[seq]`` lists exactly what the
@@ -37,7 +39,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -47,7 +50,7 @@ from kvwarm.backends.base import BackendContext, BackendModel, BatchToken
 from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch
-from kvwarm.engine.worker.drafts import Cost, DraftBudget
+from kvwarm.engine.worker.drafts import Cost, DraftBudget, DraftCost
 from kvwarm.errors import ConfigError, KvwarmError, StateRestoreError
 
 log = logging.getLogger(__name__)
@@ -149,6 +152,7 @@ class DraftModel:
         path: str,
         n_ctx_slot: int,
         n_target_vocab: int | None = None,
+        relative_size: float = 1.0,
     ) -> None:
         self.model = model
         #: The draft model's vocabulary and the model's (they may differ by up to
@@ -179,6 +183,9 @@ class DraftModel:
         #: which rows are this draft model's where its file is also served (``used``).
         self._used: dict[Namespace, None] = {}
         self._used_lock = threading.Lock()
+        #: What one of its passes costs in the model's (``DraftCost``): from its weights'
+        #: size over the model's (``relative_size``) until its passes are timed.
+        self.cost = DraftCost(relative_size)
 
     def namespace_for(self, salt: bytes | None) -> Namespace:
         ns = salted_namespace(self.namespace, salt)
@@ -254,7 +261,15 @@ class DraftModel:
             common = self._restore(store, seq, ns, text[:prompt_len], common)
             if first:
                 self._catching[seq] = common
-        if common < n:
+        # The reply's tokens the sequence lacks (the last draft's last token, kept; tokens
+        # decoded without a draft), where they fit the first draft pass: they go in it, not
+        # in a pass of their own (found by review, issue 39: a draft kept whole cost the
+        # draft model one pass more than it drafted tokens).
+        behind: Sequence[int] = ()
+        if prompt_len <= common < n and n + 1 - common <= ctx.n_batch:
+            behind = text[common:n]
+            self.prefilled_tokens += n - common
+        elif common < n:
             # One chunk a tick (the other slots' passes wait for this one): no draft until the
             # sequence has caught up; a chunk ends at the prompt's end, for its save.
             end = min(n, common + ctx.n_batch)
@@ -270,9 +285,15 @@ class DraftModel:
         draft: list[int] = []
         token, pos = text[n], n
         while True:
-            ctx.decode([BatchToken(token, pos, seq, True)])
+            batch = [BatchToken(t, common + i, seq, False) for i, t in enumerate(behind)]
+            batch.append(BatchToken(token, pos, seq, True))
+            started = time.perf_counter()
+            ctx.decode(batch)
+            self.cost.observe(time.perf_counter() - started)
+            held.extend(behind)
             held.append(token)
-            row = np.frombuffer(ctx.logits(0), dtype=np.float32)
+            row = np.frombuffer(ctx.logits(len(behind)), dtype=np.float32)
+            behind = ()
             best = int(row.argmax())
             if best >= self.n_target_vocab:
                 break  # a token the model does not have: never a draft token
@@ -359,8 +380,8 @@ class ModelDrafter:
     """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
 
     __slots__ = (
-        "asked", "budget", "draft_max", "model", "ns", "prompt", "read", "seq", "stopped",
-        "store",
+        "asked", "budget", "draft_max", "model", "ns", "plain", "prompt", "read", "seq",
+        "stopped", "store",
     )  # fmt: skip
 
     def __init__(
@@ -371,9 +392,13 @@ class ModelDrafter:
         ns: Namespace,
         prompt: Sequence[int],
         draft_max: int,
+        plain: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.model = model
         self.store = store
+        #: What the model's one-token pass takes now (``PassCost.plain``), the unit of the
+        #: draft model's passes' cost (``DraftCost``).
+        self.plain = plain
         self.seq = seq
         self.ns = ns
         self.prompt = list(prompt)
@@ -391,12 +416,15 @@ class ModelDrafter:
         self, generated: Sequence[int], limit: int, cost: Cost, *, end: bool = False
     ) -> list[int]:
         """Up to ``limit`` tokens of the draft model's (fewer where the acceptance seen makes
-        a long draft not worth its pass; none after a failure of the draft model). ``end``
-        as for an n-gram draft (``DraftBudget.length``)."""
+        a long draft not worth its passes, the verify pass's and the draft model's own:
+        ``DraftCost``; none after a failure of the draft model). ``end`` as for an n-gram
+        draft (``DraftBudget.length``)."""
         end = end and limit <= self.draft_max
-        limit = self.budget.length(min(limit, self.draft_max), cost, end=end)
+        total = self.model.cost.total(cost, self.plain())
+        limit = self.budget.length(min(limit, self.draft_max), total, end=end)
         if self.stopped or limit <= 0:
             self.budget.skipped()
+            self.model.cost.idle()
             return []
         text = [*self.prompt, *generated]
         at = self.model.unreadable(text, self.read)

@@ -31,6 +31,9 @@ costs the extra positions of one pass, never a different output. Here:
   passes just before it, so the trade-off follows the hardware (a GPU verifies 16 tokens for
   little more than one; a CPU pays for the first drafted token what a whole pass costs) and
   not another process's load.
+- ``DraftCost``: what a draft model's pass costs in the model's one-token passes, measured
+  the same way: a draft model's draft of ``k`` tokens costs ``k`` of them besides its verify
+  pass, and is priced by both.
 
 Invariants: nothing here touches the context or the sampler; a drafter reads only its own
 request's tokens and its own tenant's rows (the tenant rule: ``docs/architecture.md``,
@@ -44,7 +47,7 @@ import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvwarm.cache.types import Namespace, RowInfo
 from kvwarm.engine.types import SpecType
@@ -1339,6 +1342,15 @@ class PassCost:
             self._samples.append((self._clock(), drafted, ratio, steps))
             self._fitted_at = None
 
+    def plain(self) -> float | None:
+        """What a plain pass of one slot takes now, in seconds: the lower quartile of the latest
+        (of the fewest slots timed where one slot's are not), None before ``_MIN_PLAIN``."""
+        for slots in sorted(self._plain):
+            plain = self._plain[slots]
+            if len(plain) >= self._MIN_PLAIN:
+                return sorted(plain)[len(plain) // 4]
+        return None
+
     @property
     def cost(self) -> Cost:
         now = self._clock()
@@ -1386,6 +1398,64 @@ class PassCost:
             min(self._MAX_FIXED, max(0.0, fixed)),
             min(self._MAX_PER_TOKEN, max(0.002, per_token)),
         )
+
+
+class DraftCost:
+    """What one pass of a draft model (``--draft-model``) costs, in the model's one-token
+    passes: a draft of ``k`` tokens runs ``k`` of them before its verify pass (the last
+    token, then each drafted one but the last), so a draft model as large as the model
+    (SmolLM2 or Gemma 3 270M drafting for itself: ~1) makes a drafted token cost more than
+    the row it saves on a CPU, where the verify row alone costs ~0.3 (``Cost``), and the
+    draft pays only where the model's pass is many times the draft model's. ``DraftBudget``
+    prices a draft by both (``total``). Measured like ``PassCost``: each draft pass of one
+    token is timed, and the lower quartile of the last ``_KEEP`` (of the last ``_WINDOW_S``
+    seconds; a stall only adds) over ``PassCost.plain``, the lower quartile of the model's
+    latest one-slot plain passes, is the cost; until ``_MIN`` passes are timed, the prior
+    (the draft model's weights over the model's: a decode on a CPU reads every weight once).
+    With no draft pass for ``_WINDOW_S`` seconds or ``_STALE`` drafts priced out since the
+    last, the prior comes back, so a cost measured under a stall is measured again."""
+
+    _KEEP = 31
+    _MIN = 3
+    _WINDOW_S = 120.0
+    _STALE = 48
+    _MAX = 4.0
+
+    __slots__ = ("_clock", "_idle", "_samples", "prior")
+
+    def __init__(self, prior: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.prior = min(self._MAX, max(0.0, prior))
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=self._KEEP)  # (when, seconds)
+        self._idle = 0  # drafts priced out since the last draft pass
+
+    def observe(self, seconds: float) -> None:
+        """A draft pass of one token took ``seconds``."""
+        if seconds > 0.0:
+            self._samples.append((self._clock(), seconds))
+            self._idle = 0
+
+    def idle(self) -> None:
+        """A draft was not made (priced out, or its acceptance too low)."""
+        self._idle += 1
+        if self._idle >= self._STALE:
+            self._samples.clear()
+
+    def per_token(self, plain: float | None) -> float:
+        """The cost of one draft pass in one-token passes of the model, which take ``plain``
+        seconds (``PassCost.plain``; None: not timed yet, the prior)."""
+        now = self._clock()
+        while self._samples and now - self._samples[0][0] > self._WINDOW_S:
+            self._samples.popleft()
+        if plain is None or plain <= 0.0 or len(self._samples) < self._MIN:
+            return self.prior
+        seconds = sorted(s for _, s in self._samples)[len(self._samples) // 4]
+        return min(self._MAX, seconds / plain)
+
+    def total(self, cost: Cost, plain: float | None) -> Cost:
+        """``cost`` (the verify pass's) with each drafted token's draft pass added: what a draft
+        of ``k`` tokens costs in all, as ``DraftBudget.length`` weighs it."""
+        return replace(cost, per_token=cost.per_token + self.per_token(plain))
 
 
 def _median(values: list[float]) -> float:

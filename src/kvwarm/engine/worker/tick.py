@@ -238,7 +238,9 @@ class Tick:
             if draft is None:
                 return None  # refused at submission; a model without one decodes plainly
             ns = draft.namespace_for(act.req.options.salt_bytes())
-            return ModelDrafter(draft, self.port, seq, ns, act.req.prompt_tokens, draft_max)
+            return ModelDrafter(
+                draft, self.port, seq, ns, act.req.prompt_tokens, draft_max, self.rt.pass_cost.plain
+            )
         rows = self.port.drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
         rows.refresh(ns, tenant_of(opts.cache_salt))  # its tenant's share of the index
