@@ -135,6 +135,27 @@ def test_prefill_is_continued_not_repeated(client: TestClient) -> None:
     assert not data["content"] or not data["content"][0]["text"].startswith("The fox")
 
 
+def test_a_prefill_ending_in_whitespace_is_refused(client: TestClient) -> None:
+    # Anthropic's API refuses it; kvwarm took it and the reply continued after a lone space
+    # token (SmolLM2 answered the prefill "The sea " with "\nis a vast...").
+    for prefill in ("The fox ", "The fox\n", [{"type": "text", "text": "The fox\t"}]):
+        body = {**BASE, "messages": [USER, {"role": "assistant", "content": prefill}]}
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            message = assert_anthropic_error(
+                client.post(path, json=body), 400, "invalid_request_error"
+            )
+            assert message.startswith("messages.1: ") and "trailing whitespace" in message
+    # Whitespace inside it, an empty one, and history turns are fine.
+    for content in ("The  fox", ""):
+        body = {**BASE, "messages": [USER, {"role": "assistant", "content": content}]}
+        assert client.post("/v1/messages/count_tokens", json=body).status_code == 200
+    history = [USER, {"role": "assistant", "content": "Sure. "}, USER]
+    assert (
+        client.post("/v1/messages/count_tokens", json={**BASE, "messages": history}).status_code
+        == 200
+    )
+
+
 def test_tool_use_history_becomes_chat_turns() -> None:
     req = MessagesRequest.model_validate(
         {

@@ -265,6 +265,17 @@ def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
                 param=called,
             )
         prefill = turn.content if isinstance(turn.content, str) else ""
+        if prefill != prefill.rstrip():
+            # As Anthropic's API refuses it (found by review: taken, the reply continued
+            # after a lone space token, SmolLM2's "The sea " went on "\nis a vast...").
+            where = f"messages.{len(req.messages) - 1}"
+            raise HTTPError(
+                400,
+                f"{where}: the final assistant content (a prefill) cannot end with trailing "
+                "whitespace",
+                code="invalid_value",
+                param=where,
+            )
     return out, prefill
 
 
