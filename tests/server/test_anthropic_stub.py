@@ -13,6 +13,7 @@ from kvwarm.server import create_app
 from kvwarm.server.anthropic import translate as anthropic
 from kvwarm.server.anthropic.schemas import MessagesRequest
 from kvwarm.server.chat import ChatReply
+from kvwarm.server.errors import HTTPError
 from kvwarm.server.tools import ToolCall
 
 from .conftest import stub_settings, wait_ready
@@ -132,6 +133,27 @@ def test_prefill_is_continued_not_repeated(client: TestClient) -> None:
         == counted
     )
     assert not data["content"] or not data["content"][0]["text"].startswith("The fox")
+
+
+def test_a_prefill_ending_in_whitespace_is_refused(client: TestClient) -> None:
+    # Anthropic's API refuses it; kvwarm took it and the reply continued after a lone space
+    # token (SmolLM2 answered the prefill "The sea " with "\nis a vast...").
+    for prefill in ("The fox ", "The fox\n", [{"type": "text", "text": "The fox\t"}]):
+        body = {**BASE, "messages": [USER, {"role": "assistant", "content": prefill}]}
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            message = assert_anthropic_error(
+                client.post(path, json=body), 400, "invalid_request_error"
+            )
+            assert message.startswith("messages.1: ") and "trailing whitespace" in message
+    # Whitespace inside it, an empty one, and history turns are fine.
+    for content in ("The  fox", ""):
+        body = {**BASE, "messages": [USER, {"role": "assistant", "content": content}]}
+        assert client.post("/v1/messages/count_tokens", json=body).status_code == 200
+    history = [USER, {"role": "assistant", "content": "Sure. "}, USER]
+    assert (
+        client.post("/v1/messages/count_tokens", json={**BASE, "messages": history}).status_code
+        == 200
+    )
 
 
 def test_tool_use_history_becomes_chat_turns() -> None:
@@ -399,3 +421,59 @@ def test_thinking_is_ignored_and_unknown_blocks_are_400s(client: TestClient) -> 
             client.post("/v1/messages", json=bad), 400, "invalid_request_error"
         )
         assert message.startswith("messages.0.content.0: ") and repr(block["type"]) in message
+
+
+# Gemma 2's template (tests/server/test_tool_templates_stub.py): user and model turns must
+# alternate, as Gemma's and Mistral's templates demand.
+ALTERNATING = (
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}<start_of_turn>{{ message['role'] }}\n{{ message['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_consecutive_same_role_messages_are_one_turn(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # Anthropic's API combines consecutive user (or assistant) messages into one turn. They
+    # reached the template as turns of their own: a 400 on a template that wants the roles
+    # to alternate (found by review), and a prefill split over two messages lost its start.
+    template = tmp_path_factory.mktemp("alternating") / "alternating.jinja"
+    template.write_text(ALTERNATING)
+    hi = {"role": "user", "content": "Hi."}
+    hello = {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}
+    asks = [hi, {"role": "user", "content": [{"type": "text", "text": "How are you?"}]}]
+    with TestClient(create_app(stub_settings(chat_template=str(template)))) as alternating:
+        wait_ready(alternating.get)
+        for messages in (asks, [hi, hello, hello, *asks]):
+            body = {**BASE, "messages": messages}
+            done = alternating.post("/v1/messages", json=body)
+            assert done.status_code == 200, done.text
+        merged = {**BASE, "messages": [{"role": "user", "content": "Hi.\nHow are you?"}]}
+        counted = alternating.post("/v1/messages/count_tokens", json={**BASE, "messages": asks})
+        assert counted.status_code == 200, counted.text
+        one = alternating.post("/v1/messages/count_tokens", json=merged).json()["input_tokens"]
+        assert counted.json()["input_tokens"] == one  # one turn, the texts a line apart
+    turns, prefill = anthropic.to_chat(
+        MessagesRequest.model_validate(
+            {
+                "max_tokens": 5,
+                "messages": [
+                    hi,
+                    {"role": "assistant", "content": "The fox"},
+                    {"role": "assistant", "content": [{"type": "text", "text": " jumps"}]},
+                ],
+            }
+        )
+    )
+    assert [(t.role, t.content) for t in turns] == [("user", "Hi.")]
+    assert prefill == "The fox\n jumps"  # the whole trailing turn is continued
+    call = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    ends_in_a_call = [hi, {"role": "assistant", "content": [call]}, hello]
+    with pytest.raises(HTTPError) as caught:
+        anthropic.to_chat(
+            MessagesRequest.model_validate({"max_tokens": 5, "messages": ends_in_a_call})
+        )
+    assert caught.value.param == "messages.1"

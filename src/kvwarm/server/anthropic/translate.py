@@ -205,32 +205,77 @@ def _assistant(message: Message, where: str) -> ChatMessage:
     return ChatMessage(role="assistant", content="".join(text), tool_calls=calls or None)
 
 
+def _parts(content: str | list[ContentPart] | None) -> list[ContentPart]:
+    if isinstance(content, list):
+        return content
+    return [ContentPart(type="text", text=content or "")]
+
+
+def _merged(first: ChatMessage, second: ChatMessage) -> ChatMessage:
+    """Two consecutive turns of one role as one, as Anthropic combines them: their texts a
+    line apart (an assistant's a blank line apart where a call stood between, as in one
+    reply), images in place, the calls in order."""
+    a, b = first.content, second.content
+    if not a or not b:
+        content = a or b
+    elif isinstance(a, str) and isinstance(b, str):
+        sep = TEXT_SEPARATOR if first.tool_calls else "\n"
+        content = a + sep + b
+    else:
+        content = [*_parts(a), ContentPart(type="text", text="\n"), *_parts(b)]
+    calls = [*(first.tool_calls or ()), *(second.tool_calls or ())]
+    return ChatMessage(role=first.role, content=content, tool_calls=calls or None)
+
+
 def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
-    """The chat messages of ``req`` and its prefill (the text of a trailing assistant turn)."""
+    """The chat messages of ``req`` and its prefill (the text of a trailing assistant turn).
+    Consecutive messages of one role are one turn, as Anthropic's API combines them (found by
+    review: they were turns of their own, which a template wanting user and assistant to
+    alternate, as Gemma's and Mistral's, refused)."""
     out: list[ChatMessage] = []
     if req.system:
         system = req.system
         text = system if isinstance(system, str) else _texts(system, "\n")
         out.append(ChatMessage(role="system", content=text))
-    prefill = ""
-    last = len(req.messages) - 1
+    first = len(out)
+    called: str | None = None  # the trailing assistant turn's first message with a call
     for index, message in enumerate(req.messages):
         where = f"messages.{index}"
         if message.role == "user":
-            out += _user(message, where)
-            continue
-        turn = _assistant(message, where)
-        if index == last and index > 0:
-            if turn.tool_calls:
-                raise HTTPError(
-                    400,
-                    f"{where}: the last message cannot be an assistant tool call",
-                    code="invalid_value",
-                    param=where,
-                )
-            prefill = turn.content if isinstance(turn.content, str) else ""
-            continue
-        out.append(turn)
+            turns = _user(message, where)
+            called = None
+        else:
+            turns = [_assistant(message, where)]
+            if turns[0].tool_calls and called is None:
+                called = where
+        for turn in turns:
+            if len(out) > first and out[-1].role == turn.role != "tool":
+                out[-1] = _merged(out[-1], turn)
+            else:
+                out.append(turn)
+    prefill = ""
+    # A trailing assistant turn (after another turn) is a prefill: the reply continues it.
+    if req.messages[-1].role == "assistant" and len(out) - 1 > first:
+        turn = out.pop()
+        if called is not None:
+            raise HTTPError(
+                400,
+                f"{called}: the last message cannot be an assistant tool call",
+                code="invalid_value",
+                param=called,
+            )
+        prefill = turn.content if isinstance(turn.content, str) else ""
+        if prefill != prefill.rstrip():
+            # As Anthropic's API refuses it (found by review: taken, the reply continued
+            # after a lone space token, SmolLM2's "The sea " went on "\nis a vast...").
+            where = f"messages.{len(req.messages) - 1}"
+            raise HTTPError(
+                400,
+                f"{where}: the final assistant content (a prefill) cannot end with trailing "
+                "whitespace",
+                code="invalid_value",
+                param=where,
+            )
     return out, prefill
 
 
