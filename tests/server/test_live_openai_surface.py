@@ -147,7 +147,12 @@ def test_echo_scores_the_prompt_without_restoring_it(client: OpenAI) -> None:
         assert "".join(lp.tokens) == choice.text
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
-        assert all(t is not None and len(t) <= 2 for t in lp.top_logprobs[1:])
+        # The best 2, and the token itself where it is not among them (OpenAI's logprobs+1).
+        assert all(t is not None and len(t) <= 3 for t in lp.top_logprobs[1:])
+        assert all(
+            t is not None and tok in t
+            for tok, t in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True)
+        )
         assert done.usage is not None and done.usage.prompt_tokens_details is not None
         assert done.usage.prompt_tokens_details.cached_tokens == 0
 

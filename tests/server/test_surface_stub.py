@@ -642,6 +642,27 @@ def test_completion_logprobs_streamed(client: OpenAI) -> None:
     assert tokens == lp.tokens and offsets == lp.text_offset
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client: OpenAI) -> None:
+    # OpenAI's completions logprobs always hold the sampled token's ("up to logprobs+1
+    # elements"): logprobs 0 gave every token {}, and a token sampled outside the best one
+    # had no entry of its own, streamed or not.
+    common = {"model": "a", "prompt": PROMPT, "max_tokens": 8, **SAMPLED}
+    for logprobs in (0, 1):
+        plain = client.completions.create(**common, logprobs=logprobs)  # type: ignore[call-overload]
+        lp = plain.choices[0].logprobs
+        assert lp is not None and lp.tokens and lp.top_logprobs and lp.token_logprobs
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top is not None and top.get(token) == value and len(top) <= logprobs + 1
+        chunks = list(client.completions.create(**common, logprobs=logprobs, stream=True))  # type: ignore[call-overload]
+        tops = [
+            t
+            for c in chunks
+            if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.top_logprobs or []
+        ]
+        assert tops == lp.top_logprobs
+
+
 def test_echo_with_prompt_logprobs(client: OpenAI) -> None:
     common = {"model": "a", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
     done = client.completions.create(**common, echo=True, logprobs=1)  # type: ignore[call-overload]

@@ -284,6 +284,11 @@ def completion_logprobs(
         top: dict[str, float] = {}
         for _, text, lp in t.top:
             top.setdefault(text, lp)
+        # OpenAI's: "the API will always return the logprob of the sampled token, so there may
+        # be up to logprobs+1 elements" (vLLM's too). Found by review: a sampled token outside
+        # the best ``logprobs`` was missing, and ``logprobs: 0`` gave every token ``{}``. Last,
+        # so a better token of the same text keeps its entry.
+        top.setdefault(t.text, t.logprob)
         tops.append(top)
         at.append(offsets.take(t.text))
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": at}
