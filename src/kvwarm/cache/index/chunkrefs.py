@@ -156,6 +156,24 @@ class ChunkRefs:
             freed += self._maybe_free(tier, key, c, keep)
         return freed
 
+    def would_free(
+        self, tier: TierName, keys: Iterable[bytes], dropped: dict[tuple[TierName, bytes], int]
+    ) -> int:
+        """What ``unref(tier, keys)`` would free after the references ``dropped`` counts
+        were dropped too, changing nothing but ``dropped`` (it counts these as well): an
+        eviction planned before it is done (``RowTable.plan_eviction``). A chunk a save pins
+        is never freed, whoever names it."""
+        freed = 0
+        for key in keys:
+            c = self._chunks.get((tier, key))
+            gone = dropped.get((tier, key), 0)
+            if c is None or c.refs - gone <= 0:
+                continue
+            dropped[(tier, key)] = gone + 1
+            if c.refs - gone == 1 and not (c.pins or c.dying) and c.size is not None:
+                freed += c.size
+        return freed
+
     def _maybe_free(self, tier: TierName, key: bytes, c: _Chunk, keep: bool = False) -> int:
         if c.refs or c.pins or c.dying:
             return 0

@@ -331,17 +331,21 @@ class Index:
         """Room for a save of ``n_bytes`` in ``tier`` before it is stored: the rows it
         evicts (in policy order; the caller retires them) and whether the room is held. The
         room counts against the quota until ``give_room``, so N saves in flight at once
-        cannot overshoot it by N rows; a save that cannot have it (everything left is checked
-        out, or it is larger than the quota) is refused, evicting nothing: found by review,
-        the rows it could evict went first, then the save was refused all the same."""
+        cannot overshoot it by N rows. A save that cannot have it (what eviction can free
+        is too little: the rest is checked out, pinned by saves in flight or held for them,
+        or it is larger than the quota) is refused evicting nothing: the eviction is planned
+        first and done only where it makes the room. Found by review, the rows it could
+        evict went first, then the save was refused all the same (the chunks a save in
+        flight pins stay, whoever names them)."""
         with self._lock:
             held = self._room.get(tier, 0)
             excess = self._rows.tier_bytes(tier) + held + n_bytes - quota_bytes
-            if excess > 0 and self._rows.pinned_bytes(tier) + held + n_bytes > quota_bytes:
-                return False, []  # what is checked out or held leaves it no room
-            victims = self._evict(excess, (tier,)) if excess > 0 else []
-            if self._rows.tier_bytes(tier) + held + n_bytes > quota_bytes:
-                return False, victims
+            victims: list[StoredRow] = []
+            if excess > 0:
+                plan = self._rows.plan_eviction(excess, (tier,))
+                if plan.freed < excess:
+                    return False, []
+                victims = self._evicted(self._rows.apply_eviction(plan))
             self._room[tier] = held + n_bytes
             return True, victims
 
@@ -422,7 +426,11 @@ class Index:
 
     def _evict(self, n_bytes: int, tiers: Iterable[TierName] | None) -> list[StoredRow]:
         names = list(self._rows.usage() if tiers is None else dict.fromkeys(tiers))
-        evicted = self._to_retire(self._rows.evict(n_bytes, names))
+        return self._evicted(self._rows.evict(n_bytes, names))
+
+    def _evicted(self, rows: list[StoredRow]) -> list[StoredRow]:
+        """Rows just evicted: retiring, and remembered as evicted by the policy."""
+        evicted = self._to_retire(rows)
         for r in evicted:
             self._remember(r, MissReason.EVICTED, self._eviction_name)
         return evicted

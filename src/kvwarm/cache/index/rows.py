@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.index.chunkrefs import ChunkRefs
@@ -38,7 +38,18 @@ from kvwarm.cache.types import (
     TierSizes,
 )
 
-__all__ = ["RowTable"]
+__all__ = ["EvictionPlan", "RowTable"]
+
+
+@dataclass(slots=True)
+class EvictionPlan:
+    """What an eviction would free (``RowTable.plan_eviction``): orphan chunks, then rows in
+    the policy's order, and their bytes."""
+
+    orphans: list[tuple[TierName, bytes]] = field(default_factory=list)
+    rows: list[bytes] = field(default_factory=list)
+    freed: int = 0
+    seen: set[bytes] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -227,19 +238,6 @@ class RowTable:
     def order(self, tier: TierName) -> list[bytes]:
         return self._policy.order(tier)
 
-    def pinned_bytes(self, tier: TierName) -> int:
-        """Bytes of ``tier`` no eviction can free now: its checked-out rows' own, and the
-        chunks they name (each once)."""
-        own = 0
-        named: set[bytes] = set()
-        for entry in self._entries.values():
-            if entry.refcount and entry.info.tier == tier:
-                own += entry.info.size
-                named.update(entry.chunks)
-                if entry.rest is not None:
-                    named.update(entry.rest.keys)
-        return own + sum(self.chunks.size(tier, k) or 0 for k in named)
-
     def stored(self, key: bytes) -> StoredRow:
         entry = self._entries[key]
         tokens = self._prefix.tokens(key)
@@ -343,25 +341,41 @@ class RowTable:
         """Free at least ``n_bytes`` of ``tiers`` if possible: orphan chunks first, then
         unpinned rows in policy order. A row frees its own bytes and the chunks no other row
         names, so a long row goes from the leaves and a prefix other rows share stays."""
-        freed = 0
+        return self.apply_eviction(self.plan_eviction(n_bytes, tiers))
+
+    def plan_eviction(self, n_bytes: int, tiers: Sequence[TierName]) -> EvictionPlan:
+        """What ``evict(n_bytes, tiers)`` would do, changing nothing: the orphan chunks and
+        rows it would free, in order, and the bytes they free (the chunks a save in flight
+        pins stay, whoever names them). ``apply_eviction`` does it, before anything else
+        changes the table (under the same lock hold): a caller that needs the bytes can
+        first see whether it would get them (``Index.hold_room``)."""
+        plan = EvictionPlan()
         for tier, key in self.chunks.orphans(tiers):
-            if freed >= n_bytes:
-                return []
-            freed += self.chunks.free_orphan(tier, key)
-        victims: list[StoredRow] = []
-        # The policy's order is taken first: removing rows while it yields would change it.
-        order = [] if freed >= n_bytes else list(self._policy.victims(tiers, self._evictable))
-        for key in order:
-            if freed >= n_bytes:
+            if plan.freed >= n_bytes:
+                return plan
+            plan.orphans.append((tier, key))
+            plan.freed += self.chunks.size(tier, key) or 0
+        if plan.freed >= n_bytes:
+            return plan
+        dropped: dict[tuple[TierName, bytes], int] = {}
+        for key in self._policy.victims(tiers, self._evictable):
+            if plan.freed >= n_bytes:
                 break
             entry = self._entries.get(key)
-            if entry is None or entry.refcount or entry.info.tier not in tiers:
+            if entry is None or entry.refcount or entry.info.tier not in tiers or key in plan.seen:
                 continue  # a policy's mistake must not evict twice or evict a pinned row
-            size_before = self.chunks.tier_bytes(entry.info.tier)
-            row = self.remove(key)
-            assert row is not None
-            victims.append(row)
-            freed += row.info.size + size_before - self.chunks.tier_bytes(entry.info.tier)
+            refs = entry.chunks if entry.rest is None else entry.chunks + entry.rest.keys
+            plan.rows.append(key)
+            plan.seen.add(key)
+            plan.freed += entry.info.size + self.chunks.would_free(entry.info.tier, refs, dropped)
+        return plan
+
+    def apply_eviction(self, plan: EvictionPlan) -> list[StoredRow]:
+        """Do what ``plan_eviction`` planned; the rows removed."""
+        for tier, key in plan.orphans:
+            self.chunks.free_orphan(tier, key)
+        victims = [row for row in map(self.remove, plan.rows) if row is not None]
+        assert len(victims) == len(plan.rows), "the table changed since its eviction plan"
         return victims
 
     def _evictable(self, key: bytes) -> bool:

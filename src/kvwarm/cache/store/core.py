@@ -582,8 +582,9 @@ class CacheCore:
 
     def _holder(self, tier: Tier) -> HoldRoom:
         """Room in ``tier`` for a save's new bytes, evicting in policy order; a save that
-        cannot have it (the rest is checked out or held for saves in flight, or it is larger
-        than the quota) fails with ``NoRoomError`` (``Saves`` tries a later tier)."""
+        cannot have it (the rest is checked out, pinned or held for saves in flight, or it is
+        larger than the quota) fails with ``NoRoomError``, evicting nothing (``Saves`` tries
+        a later tier)."""
 
         def hold(n_bytes: int) -> Callable[[], None]:
             used, _ = self.index.usage().get(tier.name, (0, 0))
