@@ -15,7 +15,7 @@ from tests.engine.conftest import LOW_GATES, stub_config
 
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
-from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.types import CompletionStats, GenerationOptions
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0.0)
 PROMPT = "The system prompt says: be brief and kind. Question: what is a cache?"
@@ -32,6 +32,20 @@ def engine(
 #: Finish saves only: a cold save beside a turn's finish save could hold the small ram
 #: tier's room while the other needs it (``CacheCore._holder``), which is not what is tested.
 FINISH_ONLY = replace(LOW_GATES, cold_min_tokens=100_000)
+
+
+def exact_after_restart(root: Path, prompt: str, text: str, **tiers: object) -> CompletionStats:
+    """A new engine over the same disk serves ``prompt`` as an exact hit, ``text`` again;
+    its stats."""
+    eng = engine(root, **tiers)  # type: ignore[arg-type]
+    try:
+        model = eng.load_model(config=stub_config())
+        again = model.complete(prompt, GREEDY)
+        assert again.stats.cache_hit == "exact"
+        assert again.text == text
+        return again.stats
+    finally:
+        eng.close()
 
 
 def test_rows_too_large_for_ram_are_saved_to_disk_and_restored_after_a_restart(
@@ -53,15 +67,8 @@ def test_rows_too_large_for_ram_are_saved_to_disk_and_restored_after_a_restart(
         finally:
             eng.close()
     assert "kept live" not in caplog.text and "not saved" not in caplog.text
-    eng = engine(root)
-    try:
-        model = eng.load_model(config=stub_config())
-        again = model.complete(PROMPT, GREEDY)
-        assert again.stats.cache_hit == "exact"
-        assert again.stats.cached_tokens >= again.stats.prompt_tokens - 1
-        assert again.text == first.text
-    finally:
-        eng.close()
+    again = exact_after_restart(root, PROMPT, first.text)
+    assert again.cached_tokens >= again.prompt_tokens - 1
 
 
 def test_a_conversation_that_outgrows_ram_is_packed_whole_for_the_disk(tmp_path: Path) -> None:
@@ -84,14 +91,7 @@ def test_a_conversation_that_outgrows_ram_is_packed_whole_for_the_disk(tmp_path:
         assert counters["tier_ram_bytes"] <= 4500
     finally:
         eng.close()
-    eng = engine(root, ram=4500, chunk_tokens=16, policy=FINISH_ONLY)
-    try:
-        model = eng.load_model(config=stub_config())
-        again = model.complete(longer, GREEDY)
-        assert again.stats.cache_hit == "exact"
-        assert again.text == second.text
-    finally:
-        eng.close()
+    exact_after_restart(root, longer, second.text, ram=4500, chunk_tokens=16, policy=FINISH_ONLY)
 
 
 def test_a_save_a_checked_out_row_leaves_no_room_in_ram_goes_to_disk(
@@ -120,11 +120,4 @@ def test_a_save_a_checked_out_row_leaves_no_room_in_ram_goes_to_disk(
         finally:
             eng.close()
     assert "kept live" not in caplog.text and "no room for" not in caplog.text
-    eng = engine(root, ram=4500, chunk_tokens=16, policy=FINISH_ONLY)
-    try:
-        model = eng.load_model(config=stub_config())
-        again = model.complete(PROMPT, GREEDY)
-        assert again.stats.cache_hit == "exact"
-        assert again.text == first.text
-    finally:
-        eng.close()
+    exact_after_restart(root, PROMPT, first.text, ram=4500, chunk_tokens=16, policy=FINISH_ONLY)
