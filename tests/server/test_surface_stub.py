@@ -206,6 +206,29 @@ def test_a_text_part_without_text_is_named_as_such(client: OpenAI) -> None:
     assert "needs text" in error["message"]
 
 
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/apply-template"])
+def test_a_message_without_content_is_a_400(http: httpx.Client, role: str, path: str) -> None:
+    # Found by review: a user message with content null, or none, was rendered as an empty
+    # turn; OpenAI's API requires the content of every message but an assistant's.
+    auth = {"Authorization": f"Bearer {KEY}"}
+    extra = {"tool_call_id": "c1"} if role == "tool" else {}
+    for message in ({"role": role, **extra}, {"role": role, "content": None, **extra}):
+        messages = [*MESSAGES, message] if role == "tool" else [message, *MESSAGES]
+        body = {"model": "a", "max_tokens": 1, "messages": messages}
+        response = http.post(path, json=body, headers=auth)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == f"messages.{messages.index(message)}.content"
+        assert error["code"] == "invalid_type" and role in error["message"]
+    # An assistant's turn of calls alone, or of a refusal, has none.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calls = {"role": "assistant", "content": None, "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "done"}
+    body = {"model": "a", "max_tokens": 1, "messages": [*MESSAGES, calls, result]}
+    assert http.post(path, json=body, headers=auth).status_code == 200
+
+
 def test_audio_output_is_refused_not_ignored(client: OpenAI) -> None:
     # kvwarm writes text only: a request for audio output (modalities "audio", the audio
     # parameter) got a text reply whose message.audio was null, without a word.
