@@ -1086,3 +1086,19 @@ def test_infill_keeps_the_latest_extra_context_that_fits(http: httpx.Client) -> 
     # model's n_batch, 64, plays no part), so the extra files' last 1024 - 512 - 2 * 4
     # tokens, then the FIM part.
     assert 1024 - 512 - 8 < response.json()["tokens_evaluated"] <= 1024 - 512 + 32
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/apply-template", "/cache/prewarm"])
+def test_a_tool_kvwarm_cannot_run_is_unsupported_tool(http: httpx.Client, path: str) -> None:
+    # Found by review: OpenAI's custom tools (free-text input) were a 400 with code
+    # invalid_value, where docs/server.md (and the Responses and Anthropic routes) answer
+    # unsupported_tool for a tool type kvwarm does not serve.
+    custom = {"type": "custom", "custom": {"name": "shell", "description": "run it"}}
+    for tools in ([custom], [WEATHER, {"type": "web_search"}]):
+        body = {"model": "a", "max_tokens": 1, "messages": MESSAGES, "tools": tools}
+        response = http.post(path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_tool"
+        assert error["param"] == f"tools.{len(tools) - 1}.type"
+        assert repr(tools[-1]["type"]) in error["message"]
