@@ -423,6 +423,28 @@ def test_thinking_is_ignored_and_unknown_blocks_are_400s(client: TestClient) -> 
         assert message.startswith("messages.0.content.0: ") and repr(block["type"]) in message
 
 
+def test_fields_asking_for_what_kvwarm_cannot_run_are_400s(client: TestClient) -> None:
+    # Found by review: mcp_servers (Anthropic's MCP connector) and a container's skills were
+    # ignored silently, so a client asking for MCP tools or skills got a model without them.
+    mcp = [{"type": "url", "url": "https://mcp.example/sse", "name": "search"}]
+    skills = {"skills": [{"type": "anthropic", "skill_id": "pptx", "version": "latest"}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        for field, value in (("mcp_servers", mcp), ("container", skills)):
+            message = assert_anthropic_error(
+                client.post(path, json={**BASE, field: value}), 400, "invalid_request_error"
+            )
+            assert message.startswith(f"{field}: ") and "not supported" in message
+        # Empty, they ask nothing; Claude Code's context_management (its thinking cleared,
+        # which kvwarm does anyway) and effort pass, as they always have.
+        passing = {
+            "mcp_servers": [],
+            "container": {"skills": []},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"},
+        }
+        assert client.post(path, json={**BASE, **passing}).status_code == 200
+
+
 # Gemma 2's template (tests/server/test_tool_templates_stub.py): user and model turns must
 # alternate, as Gemma's and Mistral's templates demand.
 ALTERNATING = (

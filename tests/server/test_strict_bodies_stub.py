@@ -327,6 +327,9 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "messages": [{"role": "user", "content": "x"}],
                 "output_config": {"format": {"type": "json_schema", "schema": JSON_SCHEMA}},
                 "stream": True,
+                # Read to refuse what kvwarm cannot run; empty, they ask nothing.
+                "mcp_servers": [],
+                "container": {"id": "c", "skills": []},
             },
             {
                 "model": "a",
@@ -343,6 +346,8 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "model": "a",
                 "messages": ANTHROPIC_MESSAGES,
                 "system": [{"type": "text", "text": "be brief"}],
+                "mcp_servers": [],
+                "container": "c",
                 "tools": ANTHROPIC_TOOLS,
                 "tool_choice": ANTHROPIC_CHOICE,
             }

@@ -206,6 +206,29 @@ def test_a_text_part_without_text_is_named_as_such(client: OpenAI) -> None:
     assert "needs text" in error["message"]
 
 
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/apply-template"])
+def test_a_message_without_content_is_a_400(http: httpx.Client, role: str, path: str) -> None:
+    # Found by review: a user message with content null, or none, was rendered as an empty
+    # turn; OpenAI's API requires the content of every message but an assistant's.
+    auth = {"Authorization": f"Bearer {KEY}"}
+    extra = {"tool_call_id": "c1"} if role == "tool" else {}
+    for message in ({"role": role, **extra}, {"role": role, "content": None, **extra}):
+        messages = [*MESSAGES, message] if role == "tool" else [message, *MESSAGES]
+        body = {"model": "a", "max_tokens": 1, "messages": messages}
+        response = http.post(path, json=body, headers=auth)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == f"messages.{messages.index(message)}.content"
+        assert error["code"] == "invalid_type" and role in error["message"]
+    # An assistant's turn of calls alone, or of a refusal, has none.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calls = {"role": "assistant", "content": None, "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "done"}
+    body = {"model": "a", "max_tokens": 1, "messages": [*MESSAGES, calls, result]}
+    assert http.post(path, json=body, headers=auth).status_code == 200
+
+
 def test_audio_output_is_refused_not_ignored(client: OpenAI) -> None:
     # kvwarm writes text only: a request for audio output (modalities "audio", the audio
     # parameter) got a text reply whose message.audio was null, without a word.
@@ -1063,3 +1086,19 @@ def test_infill_keeps_the_latest_extra_context_that_fits(http: httpx.Client) -> 
     # model's n_batch, 64, plays no part), so the extra files' last 1024 - 512 - 2 * 4
     # tokens, then the FIM part.
     assert 1024 - 512 - 8 < response.json()["tokens_evaluated"] <= 1024 - 512 + 32
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/apply-template", "/cache/prewarm"])
+def test_a_tool_kvwarm_cannot_run_is_unsupported_tool(http: httpx.Client, path: str) -> None:
+    # Found by review: OpenAI's custom tools (free-text input) were a 400 with code
+    # invalid_value, where docs/server.md (and the Responses and Anthropic routes) answer
+    # unsupported_tool for a tool type kvwarm does not serve.
+    custom = {"type": "custom", "custom": {"name": "shell", "description": "run it"}}
+    for tools in ([custom], [WEATHER, {"type": "web_search"}]):
+        body = {"model": "a", "max_tokens": 1, "messages": MESSAGES, "tools": tools}
+        response = http.post(path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_tool"
+        assert error["param"] == f"tools.{len(tools) - 1}.type"
+        assert repr(tools[-1]["type"]) in error["message"]

@@ -94,3 +94,61 @@ def test_tools_reach_a_template_that_drops_system_messages(
         plain = _prompt_tokens(client, {"messages": ask})
         described = _prompt_tokens(client, {"messages": ask, "tools": [WEATHER]})
     assert described > plain + 20  # the description is in the prompt
+
+
+def _prompt(client: TestClient, body: dict[str, object]) -> str:
+    response = client.post("/apply-template", json=body)
+    assert response.status_code == 200, response.json()
+    prompt = response.json()["prompt"]
+    assert isinstance(prompt, str)
+    return prompt
+
+
+def test_a_system_prompt_opens_the_first_user_turn(client: TestClient) -> None:
+    # Before: a system prompt was a 400 on every API under a template that refuses the system
+    # role ("System role not supported"), so Claude Code and most agents, which always send
+    # one, could not use such a model. As llama.cpp's server does (common/chat.cpp), its text
+    # now opens the first user turn, a line before the user's.
+    system = {"role": "system", "content": "Be brief."}
+    ask = {"role": "user", "content": "Weather in Oslo?"}
+    folded = "<start_of_turn>user\nBe brief.\nWeather in Oslo?<end_of_turn>\n"
+    assert folded in _prompt(client, {"messages": [system, ask]})
+    developer = {"role": "developer", "content": "Be brief."}
+    assert folded in _prompt(client, {"messages": [developer, ask]})
+    # Alone, it is the user turn; two leading ones are one turn.
+    alone = _prompt(client, {"messages": [system]})
+    assert "<start_of_turn>user\nBe brief.<end_of_turn>\n" in alone
+    two = _prompt(client, {"messages": [system, {**system, "content": "Be kind."}, ask]})
+    assert "<start_of_turn>user\nBe brief.\nBe kind.\nWeather in Oslo?<end_of_turn>" in two
+    # With described tools: the system text, then the tools' description, then the user's.
+    described = _prompt(client, {"messages": [system, ask], "tools": [WEATHER]})
+    assert described.index("Be brief.") < described.index("<tools>")
+    assert described.index("</tools>") < described.index("Weather in Oslo?")
+    assert described.count("<start_of_turn>user") == 1
+    assert _prompt_tokens(client, {"messages": [system, ask]}) > 0
+    # The Anthropic API: its ``system`` field, counted as the message renders it.
+    anthropic = {"model": "a", "max_tokens": 1, "system": "Be brief.", "messages": [ask]}
+    done = client.post("/v1/messages", json=anthropic)
+    assert done.status_code == 200, done.json()
+    counted = client.post("/v1/messages/count_tokens", json=anthropic)
+    assert counted.status_code == 200, counted.json()
+    one = {
+        **anthropic,
+        "system": None,
+        "messages": [{**ask, "content": "Be brief.\nWeather in Oslo?"}],
+    }
+    merged = client.post("/v1/messages/count_tokens", json=one).json()["input_tokens"]
+    assert counted.json()["input_tokens"] == merged
+    usage = done.json()["usage"]
+    assert (
+        usage["input_tokens"]
+        + usage["cache_read_input_tokens"]
+        + usage["cache_creation_input_tokens"]
+        == merged
+    )
+    # The Responses API's instructions.
+    response = client.post(
+        "/v1/responses",
+        json={"model": "a", "max_output_tokens": 1, "instructions": "Be brief.", "input": "Hi"},
+    )
+    assert response.status_code == 200, response.json()

@@ -242,7 +242,7 @@ async def plan(
     http(s) URL is fetched if its host is allowed, else refused (``server/media.py``)."""
     if settings is not None:
         messages = await fetch_images(messages, settings)
-    if not tools:  # no template probe to run
+    if not tools and not _leads_with_system(messages):  # no template probe to run
         return plan_messages(model, messages, tools, tool_choice, parallel=parallel)
     # The template probes render: off the loop.
     return await run_in_threadpool(
@@ -264,13 +264,17 @@ def plan_messages(
     check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
-    native, system, calls = False, True, None
+    native, calls = False, None
     if tools and tool_choice != "none":
         native = renders_tools(model, tools)
-        if not native:
-            system = accepts_system(model)
-        elif tool_choice in (None, "auto"):
+        if native and tool_choice in (None, "auto"):
             calls = call_format(model)
+    # Where a system message would reach the template (the client's, or described tools'),
+    # one that shows none gets its text in the first user turn: found by review, a system
+    # prompt (which Claude Code and most agents always send) was a 400 on every API under
+    # Gemma 2's template and Mistral's first ones.
+    described = bool(tools) and tool_choice != "none" and not native
+    system = accepts_system(model) if described or _leads_with_system(messages) else True
     return plan_chat(
         messages,
         tools,
@@ -280,6 +284,11 @@ def plan_messages(
         system=system,
         native_format=calls,
     )
+
+
+def _leads_with_system(messages: Sequence[ChatMessage]) -> bool:
+    """Whether the chat opens with a system (or developer) message."""
+    return bool(messages) and messages[0].role in ("system", "developer")
 
 
 async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:

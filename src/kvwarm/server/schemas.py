@@ -381,6 +381,29 @@ class Tool(_Body):
     function: FunctionDef
 
 
+class FunctionTools(_Body):
+    """A body whose ``tools`` are OpenAI's chat tools: one of another type (OpenAI's
+    ``custom`` tools, a hosted tool) is a 400 ``unsupported_tool`` naming it, as the Responses
+    and Anthropic routes answer one (found by review: ``invalid_value``, which said the request
+    was wrong where it asks what kvwarm cannot run)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_tools_only(cls, data: Any) -> Any:
+        tools = data.get("tools") if isinstance(data, dict) else None
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            kind = tool.get("type", "function") if isinstance(tool, dict) else "function"
+            if isinstance(kind, str) and kind != "function":
+                # Not a ValueError: pydantic passes it on as raised, a 400 of this code.
+                raise HTTPError(
+                    400,
+                    f"tools.{i}: {kind!r} tools are not supported; only function tools",
+                    code="unsupported_tool",
+                    param=f"tools.{i}.type",
+                )
+        return data
+
+
 class NamedToolChoiceFunction(_Body):
     name: str
 
@@ -453,7 +476,7 @@ class Prediction(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ChatRequest(SamplingFields):
+class ChatRequest(SamplingFields, FunctionTools):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
@@ -543,7 +566,7 @@ class DetokenizeRequest(_Body):
     tokens: TokenIds
 
 
-class PrewarmRequest(_Body):
+class PrewarmRequest(FunctionTools):
     model: str | None = None
     # Text or token ids, as documented (found by review: ids were refused, a 400).
     prompt: str | TokenIds | None = None

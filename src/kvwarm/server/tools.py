@@ -531,7 +531,8 @@ def plan_chat(
         )
     check_tools(tools or ())
     if not tools or tool_choice == "none":
-        return ChatPlan(template_messages(messages, native=False), None, None, frozenset(), False)
+        plain = template_messages(messages, native=False)
+        return ChatPlan(plain if system else system_folded(plain), None, None, frozenset(), False)
     chosen = list(tools)
     if isinstance(tool_choice, NamedToolChoice):
         chosen = [t for t in tools if t.function.name == tool_choice.function.name]
@@ -557,21 +558,41 @@ def plan_chat(
     )
     if renders_tools:
         rendered = template_messages(messages, native=True)
+        rendered = rendered if system else system_folded(rendered)
         return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel, lazy)
     rendered = template_messages(messages, native=False)
     prompt = tools_system_prompt(chosen)
-    if system and rendered and rendered[0]["role"] == "system":
-        rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
-    elif not system and (first := next((m for m in rendered if m["role"] == "user"), None)):
-        content = first["content"]
-        first["content"] = (
-            [{"type": "text", "text": f"{prompt}\n\n"}, *content]
-            if isinstance(content, list)
-            else f"{prompt}\n\n{content}"
-        )
+    if rendered and rendered[0]["role"] == "system":
+        rendered[0] = {**rendered[0], "content": _appended(rendered[0]["content"], prompt)}
     else:
         rendered.insert(0, {"role": "system", "content": prompt})
+    rendered = rendered if system else system_folded(rendered)
     return ChatPlan(rendered, None, schema, names, forced, not parallel, lazy)
+
+
+def _appended(content: object, prompt: str) -> object:
+    """A system message's content with the described tools after it."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": f"\n\n{prompt}"}]
+    return f"{content}\n\n{prompt}"
+
+
+def system_folded(rendered: list[Message]) -> list[Message]:
+    """``rendered`` for a template that shows no system message (refuses it, as Gemma 2's and
+    Mistral's first ones do, or drops it without a word: ``chat.accepts_system``): the leading
+    system messages open the first user turn, each a line before the next, as llama.cpp's
+    server folds them (``common/chat.cpp``, ``system_message_not_supported``); with no user
+    turn after them they are one of their own (llama.cpp drops the text there)."""
+    lead = next((i for i, m in enumerate(rendered) if m["role"] != "system"), len(rendered))
+    if not lead:
+        return rendered
+    turn: Message = {"role": "user", "content": rendered[0]["content"]}
+    for message in rendered[1:lead]:
+        turn = _joined(turn, message)
+    rest = rendered[lead:]
+    if rest and rest[0]["role"] == "user":
+        turn, rest = {**rest[0], **_joined(turn, rest[0])}, rest[1:]
+    return [turn, *rest]
 
 
 def _new_id() -> str:

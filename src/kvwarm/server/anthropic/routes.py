@@ -32,6 +32,7 @@ async def _plan(
 ) -> tuple[ChatPlan, str]:
     """The chat plan and assistant prefill of a request: one translation for both routes, so
     ``count_tokens`` counts what ``messages`` would render."""
+    anthropic.refuse(req)
     history, prefill = anthropic.to_chat(req)
     tools = anthropic.tools(req.tools)
     choice = anthropic.tool_choice(req.tool_choice, tools)

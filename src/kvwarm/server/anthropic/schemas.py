@@ -125,12 +125,22 @@ class Metadata(_Body):
     user_id: str | None = None
 
 
+class Container(_Body):
+    """A code-execution container: read only for its ``skills``, which kvwarm cannot load."""
+
+    id: str | None = None
+    skills: list[object] | None = None
+
+
 class CountTokensRequest(_Body):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
+    # Read only to refuse a value asking for what kvwarm cannot run (``translate.refuse``).
+    mcp_servers: list[object] | None = None
+    container: str | Container | None = None
 
 
 class MessagesRequest(CountTokensRequest):

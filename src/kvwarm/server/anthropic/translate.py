@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 from kvwarm.engine.types import CompletionStats
 from kvwarm.errors import KvwarmError
 from kvwarm.server.anthropic.schemas import (
+    Container,
     CountTokensRequest,
     ImageBlock,
     MediaBlock,
@@ -225,6 +226,29 @@ def _merged(first: ChatMessage, second: ChatMessage) -> ChatMessage:
         content = [*_parts(a), ContentPart(type="text", text="\n"), *_parts(b)]
     calls = [*(first.tool_calls or ()), *(second.tool_calls or ())]
     return ChatMessage(role=first.role, content=content, tool_calls=calls or None)
+
+
+def refuse(req: CountTokensRequest) -> None:
+    """400 for a field asking for what kvwarm cannot run (an empty value asks nothing): MCP
+    servers (Anthropic's MCP connector, whose tools its servers would call) and a container's
+    skills. Found by review: both were ignored, so a client asking for MCP tools or skills got
+    a model without them and no word. Fields kvwarm does without, whose reply is still what
+    was asked (``thinking``, ``context_management``: Claude Code sends them), stay ignored."""
+    if req.mcp_servers:
+        raise HTTPError(
+            400,
+            "mcp_servers: MCP servers are not supported (kvwarm calls no tools itself); give "
+            "their tools in tools and run them in the client",
+            code="unsupported_parameter",
+            param="mcp_servers",
+        )
+    if isinstance(req.container, Container) and req.container.skills:
+        raise HTTPError(
+            400,
+            "container: skills are not supported (kvwarm runs no code execution container)",
+            code="unsupported_parameter",
+            param="container.skills",
+        )
 
 
 def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:

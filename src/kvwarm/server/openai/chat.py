@@ -174,8 +174,24 @@ async def apply_template(request: Request) -> Response:
     return JSONResponse({"prompt": text})
 
 
+#: The roles whose messages OpenAI requires content of: an assistant's may have none (its
+#: calls, or its ``refusal``, are what it said), as may a deprecated ``function`` result.
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+
+
 async def _plan(model: ServedModel, req: ChatRequest, settings: Settings) -> ChatPlan:
-    """The chat's messages and tools as the model is sent them (``server/chat.py``)."""
+    """The chat's messages and tools as the model is sent them (``server/chat.py``). A message
+    without content where OpenAI requires it is a 400, as OpenAI's (found by review: a user
+    message with ``content: null``, or none, was rendered as an empty turn)."""
+    for i, message in enumerate(req.messages):
+        if message.content is None and message.role in _CONTENT_REQUIRED:
+            raise HTTPError(
+                400,
+                f"messages.{i}.content: a {message.role} message needs content (a string or "
+                "a list of parts), not null",
+                code="invalid_type",
+                param=f"messages.{i}.content",
+            )
     return await chat.plan(
         model,
         req.messages,
