@@ -16,6 +16,7 @@ from tests.cache.chunkkit import chunked_request
 from tests.cache.facadekit import NS, req
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.ram import RamTier
@@ -112,3 +113,27 @@ def test_chunks_written_do_not_also_count_as_room_held(tmp_path: Path) -> None:
         counters = c.counters()
         assert tier_of(c, first) == "ram" and counters["evictions"] == 0
         assert counters["tier_ram_rows"] == 3 and counters["tier_ram_bytes"] <= RAM
+
+
+def test_what_lands_leaves_the_hold_once_and_give_room_returns_the_rest() -> None:
+    idx = Index()
+    c, d = b"c" * 32, b"d" * 32
+    assert idx.pin_chunks("ram", (c, d), 1.0) == [c, d]  # written by saves in flight
+    hold, victims = idx.hold_room("ram", 1000, 2000)
+    assert hold is not None and victims == []
+    idx.chunk_stored("ram", c, 600, hold=hold)
+    idx.chunk_stored("ram", c, 600, hold=hold)  # stored already: lands nothing
+    assert hold.left == 400
+    # 600 in the tier and 400 held: another 1,000 fit 2,000 exactly, not one byte more.
+    assert idx.hold_room("ram", 1001, 2000) == (None, [])
+    other, victims = idx.hold_room("ram", 1000, 2000)
+    assert other is not None and victims == []
+    idx.chunk_stored("ram", d, 1500, hold=other)  # more than held: the hold empties
+    assert other.left == 0
+    idx.give_room(hold)
+    idx.give_room(other)
+    assert hold.left == 0
+    # Nothing held now: the tier's 2,100 pinned bytes alone count.
+    assert idx.hold_room("ram", 1, 2100) == (None, [])
+    last, victims = idx.hold_room("ram", 1, 2101)
+    assert last is not None and victims == []
