@@ -8,6 +8,7 @@ import threading
 from tests.cache.facadekit import req
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.index.index import RoomHold
 from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.types import SaveRequest
@@ -16,11 +17,13 @@ QUOTA = 1000
 
 
 class ParkedRam(RamTier):
-    """A ram tier whose stores park, once their row is published and resident, until the
-    test opens ``gate``; ``peak`` is the most bytes it ever held."""
+    """A ram tier whose stores park until the test opens ``gate``: once their row is
+    published and resident, or, with ``publish_first`` False, before they publish anything;
+    ``peak`` is the most bytes it ever held after a store."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, publish_first: bool = True) -> None:
         super().__init__(QUOTA)
+        self.publish_first = publish_first
         self.gate = threading.Event()
         self.parked = 0
         self.peak = 0
@@ -31,43 +34,83 @@ class ParkedRam(RamTier):
             return sum(len(e.payload) for e in self._rows.values())
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
+        if not self.publish_first:
+            self._park()
         row = super().store(key, request, book)
         with self.changed:
             self.peak = max(self.peak, self.resident())
+        if self.publish_first:
+            self._park()
+        return row
+
+    def _park(self) -> None:
+        with self.changed:
             self.parked += 1
             self.changed.notify_all()
         assert self.gate.wait(30)
-        return row
+
+
+def counting_refusals(cache: Cache, tier: ParkedRam) -> list[int]:
+    """The sizes of the saves ``cache`` refuses room in ``tier``, as they are refused."""
+    refused: list[int] = []
+    hold_room = cache._index.hold_room
+
+    def counted(name: str, n_bytes: int, quota: int) -> tuple[RoomHold | None, list[StoredRow]]:
+        held, victims = hold_room(name, n_bytes, quota)
+        with tier.changed:
+            refused.extend([] if held else [n_bytes])
+            tier.changed.notify_all()
+        return held, victims
+
+    cache._index.hold_room = counted  # type: ignore[method-assign, assignment]
+    return refused
 
 
 def test_saves_in_flight_together_never_overshoot_the_quota() -> None:
-    tier = ParkedRam()
+    tier = ParkedRam(publish_first=False)
     config = CacheConfig(tiers=(TierConfig("ram", QUOTA),), writer_threads=4)
     with Cache(config, tiers=[tier], background=False) as cache:
-        refused = []
-        hold_room = cache._index.hold_room
-
-        def counted(name: str, n_bytes: int, quota: int) -> tuple[bool, list[StoredRow]]:
-            held, victims = hold_room(name, n_bytes, quota)
-            with tier.changed:
-                refused.extend([] if held else [n_bytes])
-                tier.changed.notify_all()
-            return held, victims
-
-        cache._index.hold_room = counted  # type: ignore[method-assign]
+        refused = counting_refusals(cache, tier)
         keys = [cache.save(req(tuple(range(i * 50, i * 50 + 20)), 400)) for i in range(4)]
         assert all(keys)
-        # Every store is either parked with its row resident or refused its room.
+        # Every store is either parked holding its room or refused its room.
         with tier.changed:
             assert tier.changed.wait_for(lambda: tier.parked + len(refused) == 4, timeout=30)
         tier.gate.set()
         assert cache.flush(30)
         # Two 400-byte rows fit in 1,000 bytes; the other two saves are refused their room
-        # before a byte is copied in (on the old code all four were resident at once: 1,600).
+        # before a byte is copied in (on the old code all four were stored: 1,600).
         assert tier.peak <= QUOTA
         assert tier.parked == 2 and refused == [400, 400]
         counters = cache.counters()
-        assert counters["save_failures"] == 2
+        assert counters["save_failures"] == 2 and counters["evictions"] == 0
+        assert counters["tier_ram_bytes"] <= QUOTA
+
+
+def test_rows_published_by_saves_in_flight_make_room_by_eviction() -> None:
+    """A save's published row counts as the tier's own, not also as room held (found by
+    review: counted twice, the third and fourth saves here were refused their room): the
+    next saves evict it, in policy order, and the quota still holds."""
+    tier = ParkedRam()
+    config = CacheConfig(tiers=(TierConfig("ram", QUOTA),), writer_threads=4)
+    with Cache(config, tiers=[tier], background=False) as cache:
+        refused = counting_refusals(cache, tier)
+        keys: list[bytes] = []
+        for i in range(4):  # one at a time: each parked, its row published, or refused
+            key = cache.save(req(tuple(range(i * 50, i * 50 + 20)), 400))
+            assert key is not None
+            keys.append(key)
+            with tier.changed:
+                done = tier.changed.wait_for(lambda: tier.parked + len(refused) == len(keys), 30)
+                assert done
+        tier.gate.set()
+        assert cache.flush(30)
+        # Resident after each store: on the code before room was held, all four (1,600).
+        assert tier.peak <= QUOTA
+        assert tier.parked == 4 and refused == []
+        counters = cache.counters()
+        assert counters["evictions"] == 2 and counters["tier_ram_rows"] == 2
+        assert [cache.lookup_exact(k) is not None for k in keys] == [False, False, True, True]
         assert counters["tier_ram_bytes"] <= QUOTA
 
 

@@ -80,8 +80,9 @@ def test_a_save_a_checked_out_row_leaves_no_room_for_spills_to_disk(
 
 
 class ParkedRam(RamTier):
-    """A ram tier whose first store parks, its row resident and its room held, until the
-    test opens ``gate``."""
+    """A ram tier whose first store parks before it publishes its row, holding its room (its
+    new chunks, if any, already in the tier and pinned), until the test opens ``gate``. (A
+    row published is the tier's like any other, evictable: it holds no room.)"""
 
     def __init__(self) -> None:
         super().__init__(RAM)
@@ -89,11 +90,10 @@ class ParkedRam(RamTier):
         self.parked = threading.Event()
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
-        stored = super().store(key, request, book)
         if not self.parked.is_set():
             self.parked.set()
             assert self.gate.wait(30)
-        return stored
+        return super().store(key, request, book)
 
 
 @pytest.mark.parametrize("chunked", [False, True])

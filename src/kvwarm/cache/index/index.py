@@ -53,16 +53,29 @@ from kvwarm.cache.index.chunkrefs import FreedChunk
 from kvwarm.cache.index.inflight import InFlight
 from kvwarm.cache.index.reservations import Orphan, Reservations
 from kvwarm.cache.index.rows import RowTable
-from kvwarm.cache.protocols import RowEvents, StoredRow
+from kvwarm.cache.protocols import ReservationBook, RowEvents, StoredRow
 from kvwarm.cache.types import Namespace, PackLoc, PrefixMatch, RowInfo, TierName, TierSizes
 
 #: Memory kinds whose saved states are whole (a recurrent state, with a hybrid's attention
 #: chunks): kept per conversation by ``retention_victims``, not every one ever written.
 STATE_KINDS = frozenset({"recurrent", "hybrid"})
 
-__all__ = ["Index", "Orphan"]
+__all__ = ["Index", "Orphan", "RoomHold"]
 
 log = logging.getLogger(__name__)
+
+
+class RoomHold:
+    """Room ``Index.hold_room`` holds in ``tier`` for one save, until ``Index.give_room``:
+    what is ``left`` of it shrinks as the save's bytes land in the tier (``chunk_stored``,
+    ``publish`` through ``Index.held``), so they never count twice against its quota.
+    Changed only under the index's lock."""
+
+    __slots__ = ("left", "tier")
+
+    def __init__(self, tier: TierName, n_bytes: int) -> None:
+        self.tier = tier
+        self.left = n_bytes
 
 
 class Index:
@@ -92,8 +105,9 @@ class Index:
         self._chunk_gone = threading.Condition(self._lock)
         self._eviction_name = eviction_name
         self.history = history if history is not None else MissHistory(clock=clock)
-        # Bytes promised to saves not yet published, per tier (``hold_room``): counted with
-        # the tier's own, so saves in flight together cannot overshoot its quota.
+        # Bytes promised to saves not yet in the tier, per tier (``hold_room``; the sum of
+        # their ``RoomHold.left``): counted with the tier's own, so saves in flight together
+        # cannot overshoot its quota.
         self._room: dict[TierName, int] = {}
         # Rows forgotten for their bytes to be deleted, by key, until ``retired``: their
         # manifests are still in their tiers.
@@ -202,13 +216,17 @@ class Index:
             if not self._res.mark_linked(key, token, location):
                 log.debug("mark_linked for a reservation that is no longer live: %s", key.hex())
 
-    def publish(self, key: bytes, token: int, row: StoredRow) -> bool:
+    def publish(self, key: bytes, token: int, row: StoredRow, hold: RoomHold | None = None) -> bool:
+        """``hold``: the room held for the save publishing ``row`` (``held``): what its bytes
+        add to the tier is taken out of it."""
         if row.info.key != key:
             raise ValueError("published row carries another key")
         with self._lock:
             if self._res.take(key, token) is None:
                 return False
+            before = None if hold is None else self._rows.tier_bytes(hold.tier)
             self._rows.insert(row)
+            self._landed(hold, before)
             self._inflight.wake()
             self.history.republished(key)
             return True
@@ -327,11 +345,15 @@ class Index:
 
     def hold_room(
         self, tier: TierName, n_bytes: int, quota_bytes: int
-    ) -> tuple[bool, list[StoredRow]]:
+    ) -> tuple[RoomHold | None, list[StoredRow]]:
         """Room for a save of ``n_bytes`` in ``tier`` before it is stored: the rows it
-        evicts (in policy order; the caller retires them) and whether the room is held. The
-        room counts against the quota until ``give_room``, so N saves in flight at once
-        cannot overshoot it by N rows. A save that cannot have it (what eviction can free
+        evicts (in policy order; the caller retires them) and the room held (None: refused).
+        The room counts against the quota until its bytes land in the tier (``chunk_stored``
+        and ``publish`` given the hold take them out of it) or ``give_room``, so N saves in
+        flight at once cannot overshoot it by N rows, and a save's bytes never count twice
+        (found by review: a row published, or chunks written, still counted as room held
+        until the save returned, so a concurrent save evicted rows it need not, that row
+        among them, or was refused). A save that cannot have it (what eviction can free
         is too little: the rest is checked out, pinned by saves in flight or held for them,
         or it is larger than the quota) is refused evicting nothing: the eviction is planned
         first and done only where it makes the room. Found by review, the rows it could
@@ -344,20 +366,36 @@ class Index:
             if excess > 0:
                 plan = self._rows.plan_eviction(excess, (tier,))
                 if plan.freed < excess:
-                    return False, []
+                    return None, []
                 victims = self._evicted(self._rows.apply_eviction(plan))
             self._room[tier] = held + n_bytes
-            return True, victims
+            return RoomHold(tier, n_bytes), victims
 
-    def give_room(self, tier: TierName, n_bytes: int) -> None:
-        """End what ``hold_room`` held: the save published (its bytes now count as the
-        tier's own) or was dropped."""
+    def give_room(self, hold: RoomHold) -> None:
+        """End what ``hold_room`` held: the save is stored (what landed counts as the tier's
+        own already) or was dropped; what is left of the room is given back."""
         with self._lock:
-            left = self._room.get(tier, 0) - n_bytes
-            if left > 0:
-                self._room[tier] = left
-            else:
-                self._room.pop(tier, None)
+            self._unhold(hold, hold.left)
+
+    def held(self, hold: RoomHold) -> ReservationBook:
+        """This index as the book of a save holding ``hold``: its ``publish`` takes what the
+        row adds to the tier out of the room held."""
+        return _HeldBook(self, hold)
+
+    def _landed(self, hold: RoomHold | None, before: int | None) -> None:
+        """Bytes of the save holding ``hold`` entered its tier (``before``: the tier's bytes
+        just before): they count there now, no longer as room held."""
+        if hold is not None and before is not None:
+            self._unhold(hold, self._rows.tier_bytes(hold.tier) - before)
+
+    def _unhold(self, hold: RoomHold, n_bytes: int) -> None:
+        n = min(max(n_bytes, 0), hold.left)
+        hold.left -= n
+        left = self._room.get(hold.tier, 0) - n
+        if left > 0:
+            self._room[hold.tier] = left
+        else:
+            self._room.pop(hold.tier, None)
 
     def expire(
         self, forget_only: Collection[TierName] = (), *, count_downtime: bool = False
@@ -488,11 +526,19 @@ class Index:
             return write
 
     def chunk_stored(
-        self, tier: TierName, key: bytes, size: int, loc: PackLoc | None = None
+        self,
+        tier: TierName,
+        key: bytes,
+        size: int,
+        loc: PackLoc | None = None,
+        hold: RoomHold | None = None,
     ) -> None:
-        """Chunk ``key`` is durable in ``tier``: its own object, or at ``loc`` in a pack."""
+        """Chunk ``key`` is durable in ``tier``: its own object, or at ``loc`` in a pack.
+        ``hold``: the room held for the save that wrote it, which its bytes now leave."""
         with self._lock:
+            before = None if hold is None else self._rows.tier_bytes(hold.tier)
             self._rows.chunks.stored(tier, key, size, loc)
+            self._landed(hold, before)
 
     def chunk_locs(self, tier: TierName, keys: Sequence[bytes]) -> list[PackLoc | None]:
         """Where each stored chunk lies in a pack (None: its own object, or not stored)."""
@@ -591,3 +637,32 @@ class Index:
     def chunk_refs(self, tier: TierName, key: bytes) -> int:
         with self._lock:
             return self._rows.chunks.refs(tier, key)
+
+
+class _HeldBook:
+    """``Index.held``: the index's ``ReservationBook``, its ``publish`` landing a save's row
+    in the room it holds."""
+
+    __slots__ = ("_hold", "_index")
+
+    def __init__(self, index: Index, hold: RoomHold) -> None:
+        self._index = index
+        self._hold = hold
+
+    def reserve(self, key: bytes, tier: TierName) -> int | None:
+        return self._index.reserve(key, tier)
+
+    def check(self, key: bytes, token: int) -> bool:
+        return self._index.check(key, token)
+
+    def mark_linked(self, key: bytes, token: int, location: str) -> None:
+        self._index.mark_linked(key, token, location)
+
+    def publish(self, key: bytes, token: int, row: StoredRow) -> bool:
+        return self._index.publish(key, token, row, self._hold)
+
+    def abandon(self, key: bytes, token: int) -> None:
+        self._index.abandon(key, token)
+
+    def adopt(self, row: StoredRow) -> bool:
+        return self._index.adopt(row)

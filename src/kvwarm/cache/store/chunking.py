@@ -55,14 +55,15 @@ from kvwarm.cache.formats.chunkfmt import (
     rest_chain,
     rest_cuts,
 )
-from kvwarm.cache.index.index import Index
+from kvwarm.cache.index.index import Index, RoomHold
 from kvwarm.cache.protocols import ChunkAges, PacksChunks, StoredRow, Tier
 from kvwarm.cache.types import Namespace, PackLoc, RestChunks, SaveRequest
 from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, KvwarmError
 from kvwarm.tokens import common_prefix, is_span_id
 
-#: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
-HoldRoom = Callable[[int], Callable[[], None]]
+#: Room for bytes about to enter a tier: raises to refuse, returns the room held (the bytes
+#: leave it as they land: ``Index.chunk_stored``, ``Index.held``; ``Index.give_room`` ends it).
+HoldRoom = Callable[[int], RoomHold]
 
 __all__ = [
     "ChunkRead",
@@ -330,9 +331,9 @@ def store_row(
         if limit is not None:
             stored = index.chunk_sizes(tier.name, [k for k in pinned if k not in need])
             _check_fits(tier, key, request, size + sum(s or 0 for s in stored), limit)
-        give_back = hold(size) if hold is not None else _nothing
+        room = hold(size) if hold is not None else None
         try:
-            writes = _Writes(tier, index, counters, ns, fresh)
+            writes = _Writes(tier, index, counters, ns, fresh, room)
             for i, part in enumerate(parts, start=first):
                 if keys[i] in need:
                     writes.add(keys[i], chain[i][0], tokens[bounds[i] : bounds[i + 1]], part)
@@ -375,9 +376,10 @@ def store_row(
                 rest_chunks=None if rest is None else rest.chunks,
                 chunk_locs=_locs(tier, index, pinned),
             )
-            return tier.store(key, manifest, index)
+            return tier.store(key, manifest, index if room is None else index.held(room))
         finally:
-            give_back()
+            if room is not None:
+                index.give_room(room)
     finally:
         index.unpin_chunks(tier.name, pinned)
 
@@ -655,9 +657,11 @@ class _Writes:
         counters: Counters | None,
         ns: Namespace,
         fresh: Freshness | None,
+        room: RoomHold | None = None,
     ) -> None:
         self._tier = tier
         self._index = index
+        self._room = room  # what the chunks land in leaves (``Index.chunk_stored``)
         self._counters = counters
         self._ns = ns
         self._fresh = fresh
@@ -697,7 +701,7 @@ class _Writes:
             self._counters.incr("packs_written")
 
     def _done(self, key: bytes, size: int, loc: PackLoc | None) -> None:
-        self._index.chunk_stored(self._tier.name, key, size, loc)
+        self._index.chunk_stored(self._tier.name, key, size, loc, self._room)
         if self._fresh is not None:
             self._fresh.note(self._tier.name, key)
         if self._counters is not None:
@@ -751,15 +755,13 @@ def _store_whole(
 ) -> StoredRow | None:
     if limit is not None:
         _check_fits(tier, key, request, memoryview(request.payload).nbytes, limit)
-    give_back = hold(memoryview(request.payload).nbytes) if hold is not None else _nothing
-    try:
+    if hold is None:
         return tier.store(key, _whole(request), index)
+    room = hold(memoryview(request.payload).nbytes)
+    try:
+        return tier.store(key, _whole(request), index.held(room))
     finally:
-        give_back()
-
-
-def _nothing() -> None:
-    pass
+        index.give_room(room)
 
 
 def _check_fits(tier: Tier, key: bytes, request: SaveRequest, n_bytes: int, limit: int) -> None:

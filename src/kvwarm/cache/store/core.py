@@ -28,12 +28,12 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from kvwarm.buffers import grown
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
-from kvwarm.cache.index.index import STATE_KINDS, Index
+from kvwarm.cache.index.index import STATE_KINDS, Index, RoomHold
 from kvwarm.cache.protocols import (
     Cotenanted,
     RowBytes,
@@ -586,14 +586,14 @@ class CacheCore:
         larger than the quota) fails with ``NoRoomError``, evicting nothing (``Saves`` tries
         a later tier)."""
 
-        def hold(n_bytes: int) -> Callable[[], None]:
+        def hold(n_bytes: int) -> RoomHold:
             used, _ = self.index.usage().get(tier.name, (0, 0))
             quota, _ = self.quota_caps.effective(tier, used)
             held, victims = self.index.hold_room(tier.name, n_bytes, quota)
             if victims:
                 self.retire(victims, count=True)
-            if not held:
+            if held is None:
                 raise NoRoomError(f"{tier.name}: no room for {n_bytes} bytes under its quota")
-            return lambda: self.index.give_room(tier.name, n_bytes)
+            return held
 
         return hold
