@@ -125,10 +125,10 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if tier == "ram" and not self._room(size):
             # The ram tier holds a save's room before copying it in (issue 41); a save the
-            # checked-out rows leave no room for is refused evicting nothing (``hold_room``).
-            assert self.cache.save(req, sync=True, timeout_s=30) is None
-            return
-        assert self.cache.save(req, sync=True, timeout_s=30)
+            # checked-out rows leave no room for evicts nothing there (``hold_room``) and
+            # spills to the next local tier, the disk (``Saves._store``).
+            tier = "disk"
+        assert self.cache.save(req, sync=True, timeout_s=30) == key
         self.payload[key] = size
         if tier == "disk":  # a file's size: its prefix (fixed-width times) and the payload
             size += len(kvc.build_prefix(kvc.fields_from_request(req, now=0), req.payload))
