@@ -148,6 +148,37 @@ def test_a_tail_whose_head_went_is_not_stored(make_cache: CacheFactory) -> None:
     assert cache.counters()["save_failures"] == 1
 
 
+def test_the_chunks_a_tail_is_packed_without_stay_until_it_is_stored(
+    make_cache: CacheFactory,
+) -> None:
+    """A save packs its tail on the worker and the writer stores it later: the chunks before
+    the tail must not leave the tier between the two. Found by the concurrency stress (a
+    4 KiB ram tier): another save's room or an evict took the lead chunk meanwhile, the save
+    failed ("went while its tail was being saved"), and an evict save kept its slot's KV live,
+    the only copy, which a shutdown save would have lost the same way."""
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(1300))
+    base = _save(cache, tokens[:512])
+    starts: list[int] = []
+    request = tail_request(NS, tokens, starts, tier=tier)
+    packer = request.pack
+    assert packer is not None
+
+    def pack_then_evict(start: int) -> tuple[bytes, int]:
+        packed = packer(start)
+        assert cache.delete(base)  # the lead's row leaves while the tail is on its way
+        return packed
+
+    key = cache.save(replace(request, pack=pack_then_evict), sync=True)
+    assert starts == [512]  # packed as the tail of the chunks the tier held
+    assert key is not None and _restored(cache, key) == blob(tokens)
+    assert cache.counters()["save_failures"] == 0
+    assert cache.lookup_exact(base) is None
+    report = cache.verify()
+    assert not report.bad, report
+
+
 def test_a_packer_that_fails_leaves_nothing_in_flight(make_cache: CacheFactory) -> None:
     cache = make_cache()
     tier = cache.tier_names()[0]

@@ -1,6 +1,7 @@
 """A seeded concurrency stress of the engine on the stub (review "concur"): client threads
 submit a random mix of requests (streamed or not, ``n`` of 1 to 3, stop strings, grammars and
-JSON schemas, LoRA sets, speculation on or off) while a chaos thread cancels some, evicts
+JSON schemas, LoRA sets, speculation on or off: n-grams, or a draft model priced by its own
+timed passes, ``DraftCost``) while a chaos thread cancels some, evicts
 slots and cache rows, runs the cache's gc, detaches and re-attaches an adapter and unloads and
 reloads the model; some requests cancel themselves inside their restore or between prefill
 chunks. After each episode:
@@ -28,8 +29,8 @@ import pytest
 from tests.engine.conftest import LOW_GATES, make_engine, stub_config
 from tests.engine.test_load_stress_stub import WORDS
 
-from kvwarm.backends.base import ContextParams
-from kvwarm.backends.stub import StubBackend
+from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, Model, ModelConfig
 from kvwarm.engine.request import Request
@@ -50,6 +51,8 @@ from kvwarm.errors import (
 )
 
 WAIT_S = 60.0  # every wait's bound: past it the episode hung
+#: The RAM tier before the disk, by seed: a few rows, or about one (saves spill for room).
+RAM_BYTES = (1 << 14, 1 << 12, 1 << 13)
 #: A request whose prompt starts with one of these cancels itself at that point (hooks below).
 CANCEL_IN_RESTORE = "RESTORE-CANCEL"
 CANCEL_IN_PREFILL = "PREFILL-CANCEL"
@@ -108,7 +111,14 @@ class Loaded:
             self.handles[index] = model.load_adapter(self.files[index], scale=0.0).handle
 
 
-def random_spec(rng: random.Random, n_adapters: int, max_tokens: int = 24) -> Spec:
+def random_spec(
+    rng: random.Random,
+    n_adapters: int,
+    max_tokens: int = 24,
+    spec_types: tuple[str | None, ...] = (),
+) -> Spec:
+    """``spec_types``: the speculation a request picks from (None: the model's); none given,
+    half decode plainly and half as the model speculates."""
     words = [rng.choice(WORDS) for _ in range(rng.randint(2, 24))]
     marker = rng.random()
     if marker < 0.08:
@@ -124,7 +134,9 @@ def random_spec(rng: random.Random, n_adapters: int, max_tokens: int = 24) -> Sp
         opts = replace(opts, json_schema=SCHEMA)
     elif kind < 0.45:
         opts = replace(opts, stop=(rng.choice("aeiou"), rng.choice(WORDS)[:3]))
-    if rng.random() < 0.5:
+    if spec_types:
+        opts = replace(opts, spec_type=rng.choice(spec_types))
+    elif rng.random() < 0.5:
         opts = replace(opts, spec_type="none")
     adapters: tuple[tuple[int, float], ...] | None = None
     pick = rng.random() if n_adapters else 1.0
@@ -260,6 +272,36 @@ def engine_config(backend: StubBackend) -> ModelConfig:
     )
 
 
+class DraftingBackend(StubBackend):
+    """The stub, whose models named ``draft`` come from a stub of their own: a sixteenth of
+    the weights (``DraftCost``'s prior prices a drafted token at 1/16 of a pass) and no
+    simulated latency, while the model's passes take ``decode_delay_s``: the draft model's
+    timed passes cost a fraction of the model's, so its drafts pay, measured, as a small
+    draft model's do (the stub drafting for itself, a pass as costly as the model's, drafts
+    nothing once its passes are timed)."""
+
+    def __init__(self, *, decode_delay_s: float, copy_bias: float) -> None:
+        super().__init__(decode_delay_s=decode_delay_s, copy_bias=copy_bias)
+        self.drafts = StubBackend(copy_bias=copy_bias, weights_bytes=self.weights_bytes // 16)
+
+    def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
+        if "draft" in Path(path).name:
+            return self.drafts.load_model(path, params)
+        return super().load_model(path, params)
+
+
+#: The speculation a request picks where the model drafts with a draft model (None: it).
+DRAFT_SPEC_TYPES: tuple[str | None, ...] = (None, None, "draft-simple", "ngram-simple", "none")
+
+
+def drafting_config() -> ModelConfig:
+    """The speculating stub drafting with a draft model (``draftmodel.py``): its prompt's KV
+    restored from and saved to the cache under its own namespace, reply tokens it lacks
+    batched into its first draft pass, its drafts priced by its own timed passes."""
+    backend = DraftingBackend(decode_delay_s=2e-4, copy_bias=8.0)
+    return replace(engine_config(backend), spec_type=None, draft_model="copy-draft.gguf")
+
+
 @pytest.fixture
 def adapter_files(tmp_path: Path) -> list[Path]:
     files = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
@@ -268,11 +310,13 @@ def adapter_files(tmp_path: Path) -> list[Path]:
     return files
 
 
-def stressed_engine(tmp: Path, *, on_disk_only: bool) -> Engine:
-    """Rows on disk only (every restore reads files), or a small RAM tier before the disk;
-    small chunks, so rows share chunks and restores join several."""
+def stressed_engine(tmp: Path, *, on_disk_only: bool, ram_bytes: int = 1 << 14) -> Engine:
+    """Rows on disk only (every restore reads files), or a small RAM tier before the disk
+    (``ram_bytes``: at 4 KiB, a row or two, so saves racing for it, or beside a row a restore
+    has checked out, spill to the disk for room); small chunks, so rows share chunks and
+    restores join several."""
     disk = TierConfig("disk", 256 << 20, tmp / "disk")
-    tiers = (disk,) if on_disk_only else (TierConfig("ram", 1 << 14), disk)
+    tiers = (disk,) if on_disk_only else (TierConfig("ram", ram_bytes), disk)
     cache = CacheConfig(tiers=tiers, chunk_tokens=16)
     return Engine(EngineConfig(cache=cache, policy=LOW_GATES))
 
@@ -286,11 +330,13 @@ def episode(
     config: ModelConfig | None = None,
     max_tokens: int = 24,
     reloads: int = 1,
+    spec_types: tuple[str | None, ...] = (),
 ) -> None:
-    """``config``: the model (None: the speculating stub); the reference runs it alone."""
+    """``config``: the model (None: the speculating stub); the reference runs it alone.
+    ``spec_types``: as ``random_spec``'s."""
     rng = random.Random(seed)
     config = config or engine_config(StubBackend(copy_bias=8.0))
-    specs = [random_spec(rng, len(files), max_tokens) for _ in range(n_requests)]
+    specs = [random_spec(rng, len(files), max_tokens, spec_types) for _ in range(n_requests)]
     with make_engine() as ref_engine:
         ref = Loaded(ref_engine, config, files)
         model, handles = ref.current()
@@ -298,7 +344,7 @@ def episode(
 
     threads_before = set(threading.enumerate())
     fds_before = fd_count()
-    eng = stressed_engine(tmp, on_disk_only=seed % 2 == 0)
+    eng = stressed_engine(tmp, on_disk_only=seed % 2 == 0, ram_bytes=RAM_BYTES[seed % 3])
     ARMED.set()
     try:
         loaded = Loaded(eng, config, files)
@@ -392,6 +438,22 @@ def test_random_concurrent_mix_keeps_every_reply_and_the_engine_consistent(
     seed: int, tmp_path: Path, adapter_files: list[Path], cancel_hooks: None
 ) -> None:
     episode(seed, tmp_path / f"s{seed}", adapter_files)
+
+
+@pytest.mark.parametrize("seed", stress_seeds(2))
+def test_random_concurrent_mix_with_a_draft_model_keeps_every_reply_and_the_engine_consistent(
+    seed: int, tmp_path: Path, adapter_files: list[Path], cancel_hooks: None
+) -> None:
+    """The same chaos over a model drafting with a draft model (its context one sequence a
+    slot, its rows in the cache beside the model's, reloaded with the model), requests
+    choosing it, n-grams or none."""
+    episode(
+        seed,
+        tmp_path / f"s{seed}",
+        adapter_files,
+        config=drafting_config(),
+        spec_types=DRAFT_SPEC_TYPES,
+    )
 
 
 @pytest.mark.model

@@ -1,6 +1,7 @@
 """A seeded concurrency stress of the HTTP server on the stub (review "concur"): client threads
-send a random mix of completions and chats over real connections to a live server (streamed or
-not, ``n`` of 1 to 3, stop strings, grammars and JSON schemas, speculation on or off), some
+send a random mix of completions, chats and Anthropic messages (consecutive same-role turns
+merged) over real connections to a live server (streamed or not, ``n`` of 1 to 3, stop
+strings, grammars and JSON schemas, speculation on or off), some
 leaving mid-stream, under a memory budget with room for one model of two (each request for
 the other unloads it), while an admin thread evicts and collects the cache and unloads and
 loads models. After each episode:
@@ -76,7 +77,10 @@ def random_spec(rng: random.Random) -> Spec:
         "n": rng.choice((1, 1, 1, 2, 3)),
     }
     kind = rng.random()
-    chat = rng.random() < 0.4
+    api = rng.random()
+    if api < 0.15:
+        return messages_spec(rng, body, words, kind)
+    chat = api < 0.4
     if kind < 0.15:
         body["grammar"] = YES_NO
     elif kind < 0.25:
@@ -102,12 +106,77 @@ def random_spec(rng: random.Random) -> Spec:
     return Spec("/v1/completions", body, leave_after)
 
 
+def messages_spec(rng: random.Random, body: dict[str, Any], words: str, kind: float) -> Spec:
+    """An Anthropic ``/v1/messages`` request of ``body``'s (one choice; a JSON schema as its
+    ``output_config``, stops as ``stop_sequences``); its user turn sometimes sent as two
+    consecutive user messages, which Anthropic reads as one turn (``translate._merged``)."""
+    del body["n"]
+    if kind < 0.1:
+        body["output_config"] = {"format": {"type": "json_schema", "schema": SCHEMA}}
+    elif kind < 0.3:
+        body["stop_sequences"] = [rng.choice("aeiou"), rng.choice(WORDS)[:3]]
+    if rng.random() < 0.5:
+        body["speculative.type"] = "none"
+    cut = words.find(" ", len(words) // 2)
+    split = cut > 0 and rng.random() < 0.5
+    turns = [words[:cut], words[cut + 1 :]] if split else [words]
+    body["messages"] = [{"role": "user", "content": t} for t in turns]
+    stream = rng.random() < 0.5
+    if stream:
+        body["stream"] = True
+    leave_after = rng.randint(0, 4) if stream and rng.random() < 0.3 else None
+    return Spec("/v1/messages", body, leave_after)
+
+
+def collect_messages(http: httpx.Client, spec: Spec, body: dict[str, Any]) -> Outcome:
+    """``collect`` for an Anthropic message: its text blocks' text, its stop_reason."""
+    out = Outcome()
+    if not body.get("stream"):
+        r = http.post(spec.path, json=body)
+        out.status = r.status_code
+        if r.status_code == 200:
+            data = r.json()
+            out.texts = ["".join(b["text"] for b in data["content"] if b["type"] == "text")]
+            out.reasons = [data["stop_reason"]]
+        else:
+            out.error = r.text
+        return out
+    text, reason = "", ""
+    with http.stream("POST", spec.path, json=body) as r:
+        out.status = r.status_code
+        if r.status_code != 200:
+            r.read()
+            out.error = r.text
+            return out
+        events = 0
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "error":
+                out.error = json.dumps(event)
+                out.status = 503 if "unloaded" in out.error else 500
+                continue
+            if event["type"] == "content_block_delta":
+                text += event["delta"].get("text", "")
+            elif event["type"] == "message_delta":
+                reason = event["delta"]["stop_reason"] or ""
+            events += 1
+            if spec.leave_after is not None and events > spec.leave_after:
+                out.left = True  # the client goes away: the connection closes here
+                break
+    out.texts, out.reasons = [text], [reason]
+    return out
+
+
 def collect(http: httpx.Client, spec: Spec, *, alone: bool = False) -> Outcome:
     out = Outcome()
     body = spec.body
     if alone:
         body = {k: v for k, v in body.items() if k != "stream"}
         body["speculative.type"] = "none"
+    if spec.path == "/v1/messages":
+        return collect_messages(http, spec, body)
     chat = spec.path.endswith("chat/completions")
     if not body.get("stream"):
         r = http.post(spec.path, json=body)

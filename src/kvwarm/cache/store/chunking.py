@@ -76,6 +76,7 @@ __all__ = [
     "held_lead",
     "load_chunks",
     "pack_request",
+    "pin_lead",
     "plan_lens",
     "row_size",
     "store_row",
@@ -189,6 +190,27 @@ def held_lead(
             end += length
             held.append((end, size))
     return held
+
+
+def pin_lead(
+    request: SaveRequest, tier: Tier, index: Index, lens: tuple[int, ...] | None
+) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """``held_lead``, and its chunks' keys, pinned in ``tier`` (``Index.pin_chunks``): a tail
+    packed after them is stored later, on a writer, and none of them may leave the tier
+    before (an eviction for another save's room, an evict: the save failed, and an evict or
+    shutdown save kept its KV live only). The caller unpins the keys. A chunk freed between
+    the look and the pin ends the lead before it; one being deleted right now, the lead."""
+    held = held_lead(request, tier, index, lens)
+    if not held or not lens:
+        return [], []
+    keys = [key for _, key in chain_of(request, lens)][: len(held)]
+    write = index.pin_chunks(tier.name, keys, 0.0)
+    if write is None:  # a chunk is being deleted right now: nothing was pinned
+        return [], []
+    gone = set(write)
+    kept = next((i for i, key in enumerate(keys) if key in gone), len(keys))
+    index.unpin_chunks(tier.name, keys[kept:])
+    return held[:kept], keys[:kept]
 
 
 def pack_request(

@@ -33,8 +33,8 @@ from kvwarm.cache.store.chunking import (
     NoRoomError,
     PlanBook,
     RowTooLargeError,
-    held_lead,
     pack_request,
+    pin_lead,
     row_size,
 )
 from kvwarm.cache.store.core import CacheCore
@@ -114,7 +114,7 @@ class Saves:
         save_tier = tier.name
         try:
             # A row larger than its save tier's quota goes to the next tier that can hold it.
-            tier, request = self._place(tier, request, lens)
+            tier, request, lead = self._place(tier, request, lens)
         except (KvwarmError, MemoryError) as exc:
             # The backend could not copy the state out (llama.cpp refused, no memory for
             # the blob): a dropped save, never a failed request or a dead worker.
@@ -138,6 +138,7 @@ class Saves:
             try:
                 return self._run_save(key, planned, tier, save_tier)
             finally:
+                self._core.index.unpin_chunks(tier.name, lead)
                 self._plans.done(key)
                 self._history.saved(key)
 
@@ -150,6 +151,7 @@ class Saves:
                 )
                 return None
         if not self._writer.submit(job):
+            self._core.index.unpin_chunks(tier.name, lead)
             self._plans.done(key)
             self._history.saved(key)
             self._dropped(key, request, "queue_full")
@@ -159,34 +161,42 @@ class Saves:
 
     def _place(
         self, tier: Tier, request: SaveRequest, lens: tuple[int, ...] | None
-    ) -> tuple[Tier, SaveRequest]:
-        """The tier a save goes to, and its request packed for it (``request.pack``: only
-        what that tier lacks). Its save tier, unless the row is larger than that tier's
-        quota: then the first of ``CacheCore.spill_tiers`` whose quota holds it, its payload
-        packed again when that tier lacks leading chunks the save tier had (a conversation
-        whose next turn outgrew the ram tier). None can: its save tier, which refuses it.
-        On the saving (worker) thread, so against the configured quotas only: a file tier's
-        effective quota asks its filesystem (``statvfs``: an NFS mount can hang), which the
-        writer does (``_store``)."""
+    ) -> tuple[Tier, SaveRequest, list[bytes]]:
+        """The tier a save goes to, its request packed for it (``request.pack``: only what
+        that tier lacks), and the chunks of that tier the packed tail goes after, pinned there
+        until the save has run (``pin_lead``: the caller unpins them). Its save tier, unless
+        the row is larger than that tier's quota: then the first of ``CacheCore.spill_tiers``
+        whose quota holds it, its payload packed again when that tier lacks leading chunks the
+        save tier had (a conversation whose next turn outgrew the ram tier). None can: its
+        save tier, which refuses it. On the saving (worker) thread, so against the configured
+        quotas only: a file tier's effective quota asks its filesystem (``statvfs``: an NFS
+        mount can hang), which the writer does (``_store``)."""
         index = self._core.index
         unpacked = request
         held: list[tuple[int, int]] = []
-        if request.pack is not None:
-            held = held_lead(request, tier, index, lens)
-            request = pack_request(request, tier, index, lens, held)
-        size = row_size(request, held)
-        if size <= tier.quota_bytes:
-            return tier, request
-        for other in self._core.spill_tiers(tier):
-            if size > other.quota_bytes:
-                continue
-            if request.payload_from and unpacked.pack is not None:
-                there = held_lead(unpacked, other, index, lens)
-                if request.payload_from > (there[-1][0] if there else 0):
-                    request = unpacked  # the save tier's tail is freed before a new pack
-                    request = pack_request(unpacked, other, index, lens, there)
-            return other, replace(request, tier=other.name)
-        return tier, request
+        lead: list[bytes] = []
+        try:
+            if request.pack is not None:
+                held, lead = pin_lead(request, tier, index, lens)
+                request = pack_request(request, tier, index, lens, held)
+            size = row_size(request, held)
+            if size <= tier.quota_bytes:
+                return tier, request, lead
+            for other in self._core.spill_tiers(tier):
+                if size > other.quota_bytes:
+                    continue
+                index.unpin_chunks(tier.name, lead)
+                tier, lead = other, []  # what is pinned from here on is other's
+                if request.payload_from and unpacked.pack is not None:
+                    there, lead = pin_lead(unpacked, other, index, lens)
+                    if request.payload_from > (there[-1][0] if there else 0):
+                        request = unpacked  # the save tier's tail is freed before a new pack
+                        request = pack_request(unpacked, other, index, lens, there)
+                return other, replace(request, tier=other.name), lead
+            return tier, request, lead
+        except BaseException:
+            index.unpin_chunks(tier.name, lead)
+            raise
 
     def _spilled(self, save_tier: TierName, row: StoredRow, why: str) -> None:
         """A row was published in a later tier than its save tier (``why`` it left that
