@@ -260,8 +260,23 @@ def chaos(
         stop.wait(0.002)  # pacing only: what the episode asserts never depends on it
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def fd_targets() -> dict[str, str]:
+    """This process's open file descriptors and what each is (a path, ``socket:[inode]``)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            continue
+    return out
+
+
+def assert_no_fd_leaked(before: dict[str, str]) -> None:
+    """No more descriptors open than ``before``; where there are, the message names the new
+    ones (a full run once saw one more, under heavy load, with no way to tell what it was)."""
+    now = fd_targets()
+    new = sorted(f"{fd}: {what}" for fd, what in now.items() if before.get(fd) != what)
+    assert len(now) <= len(before), f"file descriptors leaked: {len(before)} -> {len(now)}: {new}"
 
 
 def engine_config(backend: StubBackend) -> ModelConfig:
@@ -343,7 +358,7 @@ def episode(
         expected = [run_alone(model, handles, s) for s in specs]
 
     threads_before = set(threading.enumerate())
-    fds_before = fd_count()
+    fds_before = fd_targets()
     eng = stressed_engine(tmp, on_disk_only=seed % 2 == 0, ram_bytes=RAM_BYTES[seed % 3])
     ARMED.set()
     try:
@@ -402,7 +417,7 @@ def episode(
     for t in left:
         t.join(WAIT_S)
     assert not [t for t in left if t.is_alive()], f"threads left: {left}"
-    assert fd_count() <= fds_before, f"file descriptors leaked: {fds_before} -> {fd_count()}"
+    assert_no_fd_leaked(fds_before)
 
 
 def stress_seeds(default: int) -> range:

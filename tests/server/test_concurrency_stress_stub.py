@@ -37,7 +37,8 @@ from ..engine.test_concurrency_stress_stub import (
     SCHEMA,
     WORDS,
     YES_NO,
-    fd_count,
+    assert_no_fd_leaked,
+    fd_targets,
     run_lanes,
     stress_seeds,
 )
@@ -261,7 +262,7 @@ def episode(seed: int, tmp: Path, n_requests: int = 30) -> None:
     assert all(e.status == 200 for e in expected), [e.error for e in expected if e.error]
 
     threads_before = set(threading.enumerate())
-    fds_before = fd_count()
+    fds_before = fd_targets()
     # Room for one stub model (64 MiB of weights and its context), not two.
     server = LiveServer(settings_for(models_dir, tmp / "cache", 100 * MIB)).start()
     try:
@@ -315,7 +316,7 @@ def episode(seed: int, tmp: Path, n_requests: int = 30) -> None:
     for t in left:
         t.join(WAIT_S)
     assert not [t for t in left if t.is_alive()], f"threads left: {left}"
-    assert fd_count() <= fds_before, f"file descriptors leaked: {fds_before} -> {fd_count()}"
+    assert_no_fd_leaked(fds_before)
 
 
 @pytest.fixture(scope="module", autouse=True)
