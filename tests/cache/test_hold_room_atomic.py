@@ -19,15 +19,15 @@ from pathlib import Path
 
 from tests.cache.chunkkit import blob, chunked_request, join
 from tests.cache.facadekit import NS, req
+from tests.cache.roomkit import DISK, tier_of, two_tiers
 
-from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache import Cache, CacheConfig
 from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.types import SaveRequest
 
 RAM = 300_000  # two 128-token chunks (1 KB a token) and a little more
-DISK = 1_000_000
 
 
 class ParkedRam(RamTier):
@@ -48,16 +48,7 @@ class ParkedRam(RamTier):
 
 
 def config(root: Path) -> CacheConfig:
-    return CacheConfig(
-        tiers=(TierConfig("ram", RAM), TierConfig("disk", DISK, root)),
-        chunk_tokens=128,
-        writer_threads=2,
-    )
-
-
-def tier_of(cache: Cache, key: bytes) -> str | None:
-    info = cache.lookup_exact(key)
-    return None if info is None else info.tier
+    return two_tiers(root, RAM)
 
 
 @dataclass

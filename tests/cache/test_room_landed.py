@@ -10,12 +10,15 @@ spilled. Now ``chunk_stored`` and ``publish`` take what they land out of the sav
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.cache.chunkkit import chunked_request
 from tests.cache.facadekit import NS, req
+from tests.cache.roomkit import DISK, tier_of, two_tiers
 
-from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache import Cache, CacheConfig
 from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.tiers.files import FileTier
@@ -23,7 +26,6 @@ from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.types import SaveRequest
 
 RAM = 310_000
-DISK = 1_000_000
 KB = 1024
 
 
@@ -53,25 +55,23 @@ class ParkedRam(RamTier):
 
 
 def config(root: Path) -> CacheConfig:
-    return CacheConfig(
-        tiers=(TierConfig("ram", RAM), TierConfig("disk", DISK, root)),
-        chunk_tokens=128,
-        writer_threads=2,
-    )
+    return two_tiers(root, RAM)
 
 
-def tier_of(cache: Cache, key: bytes) -> str | None:
-    info = cache.lookup_exact(key)
-    return None if info is None else info.tier
-
-
-def test_a_published_row_does_not_also_count_as_room_held(tmp_path: Path) -> None:
-    parked = ParkedRam(after=True)
-    disk = FileTier("disk", tmp_path, DISK)
-    with Cache(config(tmp_path), tiers=[parked, disk], background=False) as c:
+@contextmanager
+def small_row_and_armed(root: Path, *, after: bool) -> Iterator[tuple[Cache, ParkedRam, bytes]]:
+    """A cache whose ram holds a 20 KB row and whose next ram store parks (``ParkedRam``)."""
+    parked = ParkedRam(after=after)
+    disk = FileTier("disk", root, DISK)
+    with Cache(config(root), tiers=[parked, disk], background=False) as c:
         small = c.save(req(tuple(range(500, 520)), 20 * KB), sync=True)
         assert small is not None
         parked.armed.set()
+        yield c, parked, small
+
+
+def test_a_published_row_does_not_also_count_as_room_held(tmp_path: Path) -> None:
+    with small_row_and_armed(tmp_path, after=True) as (c, parked, small):
         try:
             first = c.save(req(tuple(range(1000, 1100)), 100 * KB))
             assert first is not None and parked.parked.wait(30)
@@ -90,12 +90,7 @@ def test_a_published_row_does_not_also_count_as_room_held(tmp_path: Path) -> Non
 
 
 def test_chunks_written_do_not_also_count_as_room_held(tmp_path: Path) -> None:
-    parked = ParkedRam(after=False)
-    disk = FileTier("disk", tmp_path, DISK)
-    with Cache(config(tmp_path), tiers=[parked, disk], background=False) as c:
-        small = c.save(req(tuple(range(500, 520)), 20 * KB), sync=True)
-        assert small is not None
-        parked.armed.set()
+    with small_row_and_armed(tmp_path, after=False) as (c, parked, small):
         try:
             # Its chunks written (136 KB, in the tier and pinned), its manifest to come.
             first = c.save(chunked_request(NS, range(136)))

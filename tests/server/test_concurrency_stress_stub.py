@@ -129,6 +129,39 @@ def messages_spec(rng: random.Random, body: dict[str, Any], words: str, kind: fl
     return Spec("/v1/messages", body, leave_after)
 
 
+def stream_events(
+    http: httpx.Client,
+    spec: Spec,
+    body: dict[str, Any],
+    out: Outcome,
+    take: Callable[[dict[str, Any]], None],
+) -> bool:
+    """Stream ``spec``'s reply into ``out``: its status, an error event as its error, every
+    other event to ``take``, the client leaving after ``spec.leave_after`` events; False
+    where the reply is not a 200 (its body then the error)."""
+    with http.stream("POST", spec.path, json=body) as r:
+        out.status = r.status_code
+        if r.status_code != 200:
+            r.read()
+            out.error = r.text
+            return False
+        events = 0
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:  # OpenAI's error object, Anthropic's error event
+                out.error = json.dumps(event)
+                out.status = 503 if "unloaded" in out.error else 500
+                continue
+            take(event)
+            events += 1
+            if spec.leave_after is not None and events > spec.leave_after:
+                out.left = True  # the client goes away: the connection closes here
+                break
+    return True
+
+
 def collect_messages(http: httpx.Client, spec: Spec, body: dict[str, Any]) -> Outcome:
     """``collect`` for an Anthropic message: its text blocks' text, its stop_reason."""
     out = Outcome()
@@ -142,31 +175,16 @@ def collect_messages(http: httpx.Client, spec: Spec, body: dict[str, Any]) -> Ou
         else:
             out.error = r.text
         return out
-    text, reason = "", ""
-    with http.stream("POST", spec.path, json=body) as r:
-        out.status = r.status_code
-        if r.status_code != 200:
-            r.read()
-            out.error = r.text
-            return out
-        events = 0
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "error":
-                out.error = json.dumps(event)
-                out.status = 503 if "unloaded" in out.error else 500
-                continue
-            if event["type"] == "content_block_delta":
-                text += event["delta"].get("text", "")
-            elif event["type"] == "message_delta":
-                reason = event["delta"]["stop_reason"] or ""
-            events += 1
-            if spec.leave_after is not None and events > spec.leave_after:
-                out.left = True  # the client goes away: the connection closes here
-                break
-    out.texts, out.reasons = [text], [reason]
+    text, reason = [""], [""]
+
+    def take(event: dict[str, Any]) -> None:
+        if event["type"] == "content_block_delta":
+            text[0] += event["delta"].get("text", "")
+        elif event["type"] == "message_delta":
+            reason[0] = event["delta"]["stop_reason"] or ""
+
+    if stream_events(http, spec, body, out, take):
+        out.texts, out.reasons = text, reason
     return out
 
 
@@ -191,31 +209,17 @@ def collect(http: httpx.Client, spec: Spec, *, alone: bool = False) -> Outcome:
         return out
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
-    with http.stream("POST", spec.path, json=body) as r:
-        out.status = r.status_code
-        if r.status_code != 200:
-            r.read()
-            out.error = r.text
-            return out
-        events = 0
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                out.error = json.dumps(event)
-                out.status = 503 if "unloaded" in out.error else 500
-                continue
-            for c in event["choices"]:
-                i = c["index"]
-                piece = (c["delta"].get("content") if chat else c.get("text")) or ""
-                texts[i] = texts.get(i, "") + piece
-                if c.get("finish_reason"):
-                    reasons[i] = c["finish_reason"]
-            events += 1
-            if spec.leave_after is not None and events > spec.leave_after:
-                out.left = True  # the client goes away: the connection closes here
-                break
+
+    def take(event: dict[str, Any]) -> None:
+        for c in event["choices"]:
+            i = c["index"]
+            piece = (c["delta"].get("content") if chat else c.get("text")) or ""
+            texts[i] = texts.get(i, "") + piece
+            if c.get("finish_reason"):
+                reasons[i] = c["finish_reason"]
+
+    if not stream_events(http, spec, body, out, take):
+        return out
     out.texts = [texts[i] for i in sorted(texts)]
     out.reasons = [reasons.get(i, "") for i in sorted(texts)]
     return out
