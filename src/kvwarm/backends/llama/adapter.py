@@ -190,15 +190,14 @@ def _check_keys(path: str) -> None:
 #: backend multiplies. Found by review: an adapter of i8, i16, i32 or f64 tensors loaded, and
 #: the first forward pass under it crashed the process (SIGSEGV in the CPU backend's matmul).
 _LORA_TYPES = {0: "f32", 1: "f16", 8: "q8_0", 30: "bf16"}
-#: Each LoRA type's block: (elements, bytes), as ggml's type traits have them.
-_LORA_BLOCKS = {0: (1, 4), 1: (1, 2), 8: (32, 34), 30: (1, 2)}
 
 
 def _nbytes(tensor: gguf_meta.TensorInfo) -> int:
-    """A LoRA tensor's bytes as ggml holds it (``ggml_nbytes``): rows of ``shape[0]``
-    elements in blocks of its type."""
-    elements, size = _LORA_BLOCKS[tensor.ggml_type]
-    return -(-tensor.shape[0] // elements) * size * math.prod(tensor.shape[1:])
+    """A LoRA tensor's bytes as ggml holds it (``model_file.tensor_nbytes``; its type is one
+    of ``_LORA_TYPES``, all in ``model_file.GGML_BLOCKS``)."""
+    size = model_file.tensor_nbytes(tensor)
+    assert size is not None, tensor.ggml_type
+    return size
 
 
 def _check_tensors(path: str, facts: ModelFacts) -> int:

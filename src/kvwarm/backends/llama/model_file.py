@@ -36,6 +36,7 @@ of a readable file stays a plain ``ModelLoadError`` (the machine's fault).
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import platform
@@ -715,15 +716,27 @@ _REPACK_TYPES = {2: "Q4_0", 12: "Q4_K", 20: "IQ4_NL", 39: "MXFP4"}
 #: (``tinyBLAS_Q0_AVX``; ``native.tinyblas_columns``) where they are not repacked: a pass of
 #: rows past a multiple of that reads such a weight once more (``WeightKernels.column_share``).
 _COLUMN_TILED_TYPES = frozenset({2, 6, 8, 20})  # Q4_0, Q5_0, Q8_0, IQ4_NL
-#: Bytes per element of ggml types (a block's bytes over its elements), for the share of a
-#: model's weight bytes each kernel reads; a type not listed counts as Q4_K's 4.5 bits.
-_TYPE_BYTES = {
-    0: 4.0, 1: 2.0, 2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32, 8: 34 / 32, 9: 36 / 32,
-    10: 84 / 256, 11: 110 / 256, 12: 144 / 256, 13: 176 / 256, 14: 210 / 256, 15: 292 / 256,
-    16: 66 / 256, 17: 74 / 256, 18: 98 / 256, 19: 50 / 256, 20: 18 / 32, 21: 110 / 256,
-    22: 82 / 256, 23: 136 / 256, 29: 56 / 256, 30: 2.0, 34: 54 / 256, 35: 66 / 256,
-    39: 17 / 32,
+#: ggml types' blocks, (elements, bytes), as ggml's type traits have them: what a tensor of
+#: the type holds (``tensor_nbytes``).
+GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
+    14: (256, 210), 15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98),
+    19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136),
+    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17),
 }  # fmt: skip
+
+
+def tensor_nbytes(tensor: gguf_meta.TensorInfo) -> int | None:
+    """A tensor's bytes as ggml holds it (``ggml_nbytes``): rows of ``shape[0]`` elements in
+    blocks of its type; None for a type not in ``GGML_BLOCKS``."""
+    block = GGML_BLOCKS.get(tensor.ggml_type)
+    if block is None:
+        return None
+    elements, size = block
+    return -(-tensor.shape[0] // elements) * size * math.prod(tensor.shape[1:])
+
+
 #: Tensors read by row (``ggml_get_rows``), never multiplied: a lookup, not a matrix product.
 _LOOKUPS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
 _X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
@@ -837,10 +850,8 @@ class WeightKernels:
         one-token passes; SmolLM2-135M: 0.31, measured ~0.3)."""
         total = tiled = 0.0
         for t in self.weights:
-            elements = 1
-            for n in t.shape:
-                elements *= n
-            size = elements * _TYPE_BYTES.get(t.ggml_type, 4.5 / 8)
+            nbytes = tensor_nbytes(t)  # a type not listed: Q4_K's 4.5 bits an element
+            size = math.prod(t.shape) * 4.5 / 8 if nbytes is None else float(nbytes)
             total += size
             if t.ggml_type in _COLUMN_TILED_TYPES and not (
                 repacked and t.ggml_type in _REPACK_TYPES
