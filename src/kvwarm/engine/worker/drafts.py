@@ -44,9 +44,10 @@ request.
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvwarm.cache.types import Namespace, RowInfo
@@ -1251,8 +1252,7 @@ class Cost:
     def of(self, k: int) -> float:
         if k <= 0:
             return 1.0
-        rows = k + 1
-        extra = self.step if rows > self.tile > 1 and rows % self.tile else 0.0
+        extra = self.step if self.split(k + 1) else 0.0
         return 1.0 + self.fixed + self.per_token * k + extra
 
     def split(self, rows: int) -> bool:
@@ -1337,7 +1337,7 @@ class PassCost:
             return
         self._plain_since = 0
         if plain is not None and len(plain) >= self._MIN_PLAIN:
-            ratio = seconds / sorted(plain)[len(plain) // 4]
+            ratio = seconds / _lower_quartile(plain)
             steps = int(self._fit.split(slots + drafted)) - int(self._fit.split(slots))
             self._samples.append((self._clock(), drafted, ratio, steps))
             self._fitted_at = None
@@ -1348,7 +1348,7 @@ class PassCost:
         for slots in sorted(self._plain):
             plain = self._plain[slots]
             if len(plain) >= self._MIN_PLAIN:
-                return sorted(plain)[len(plain) // 4]
+                return _lower_quartile(plain)
         return None
 
     @property
@@ -1371,7 +1371,7 @@ class PassCost:
                 for _, k, r, steps in self._samples
                 if steps
             ]
-            step = _median([self._share] * self._STEP_PRIOR_WEIGHT + above)
+            step = statistics.median([self._share] * self._STEP_PRIOR_WEIGHT + above)
             step = min(self._MAX_STEP, max(0.0, step))
             fixed, per_token = self._line(step)
         return Cost(fixed, per_token, self._tile, step)
@@ -1391,7 +1391,7 @@ class PassCost:
             for xb, yb in points[a + 1 :]
             if xa != xb
         ]
-        per_token = _median(slopes)
+        per_token = statistics.median(slopes)
         intercepts = sorted(y - per_token * x for x, y in points)
         fixed = intercepts[len(points) // 4]
         return (
@@ -1449,7 +1449,7 @@ class DraftCost:
             self._samples.popleft()
         if plain is None or plain <= 0.0 or len(self._samples) < self._MIN:
             return self.prior
-        seconds = sorted(s for _, s in self._samples)[len(self._samples) // 4]
+        seconds = _lower_quartile([s for _, s in self._samples])
         return min(self._MAX, seconds / plain)
 
     def total(self, cost: Cost, plain: float | None) -> Cost:
@@ -1458,8 +1458,7 @@ class DraftCost:
         return replace(cost, per_token=cost.per_token + self.per_token(plain))
 
 
-def _median(values: list[float]) -> float:
-    """The median (of an even count the mean of its middle two, as ``np.median``)."""
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+def _lower_quartile(values: Iterable[float]) -> float:
+    """The lower quartile of timings (a stall only ever adds: ``PassCost``, ``DraftCost``)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 4]
