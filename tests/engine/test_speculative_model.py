@@ -83,6 +83,35 @@ def test_greedy_reply_is_plain_decodings_by_counted_ngrams(model: Model, kind: s
     assert spec.stats.accepted_tokens >= 8
 
 
+def test_filler_rows_keep_greedy_and_seeded_replies_plain_decodings(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify passes filled to a whole tile of 4 rows (drafts capped at 5: 6 rows and 2
+    filler rows a pass, as a CPU whose matrix kernel takes 4 rows at a time pays for the
+    rows past a multiple): the filler's rows, after the draft's, change none of its logits,
+    and their cells are removed with the rejected draft's, so greedy and seeded replies and
+    their logprobs are plain decoding's."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=1.0)))
+    before = model.status().filler_rows
+    for opts, salt in (
+        (GenerationOptions(max_tokens=40, temperature=0.0, spec_draft_max=5), "filler"),
+        (
+            GenerationOptions(
+                max_tokens=32, temperature=0.8, seed=11, logprobs=2, spec_draft_max=5
+            ),
+            "filler-s",
+        ),
+    ):
+        plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt=f"{salt}-plain")
+        spec = model.chat(MESSAGES, options=opts, cache_salt=salt)
+        assert spec.completion_tokens == plain.completion_tokens
+        assert spec.logprobs == plain.logprobs
+        assert spec.stats.accepted_tokens > 0
+        after = model.status().filler_rows
+        assert after > before
+        before = after
+
+
 def test_seeded_reply_and_logprobs_are_plain_decodings(model: Model) -> None:
     opts = GenerationOptions(max_tokens=32, temperature=0.8, seed=11, logprobs=2)
     plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain-s")

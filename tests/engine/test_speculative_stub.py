@@ -221,6 +221,50 @@ def test_max_tokens_mid_draft(engine: Engine, max_tokens: int) -> None:
     assert held(model) == len(spec.prompt_tokens) + max_tokens - 1  # the last is never decoded
 
 
+@pytest.mark.parametrize("max_tokens", [23, 41])
+def test_filler_rows_pad_a_pass_to_a_whole_tile_and_leave_no_cell(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, max_tokens: int
+) -> None:
+    """Drafts cut short (here by a draft cap of 5: 6 rows a pass) on a CPU whose matrix kernel
+    takes rows 4 at a time, a row costing less than the rows past a multiple: each such pass
+    is filled to a whole tile with filler rows, never sampled, their cells removed with the
+    rejected draft's. The output and the KV left are plain decoding's."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=1.0)))
+    model = engine.load_model(config=spec_config(spec_draft_max=5))
+    ctx = model._worker.rt.ctx
+    decode = ctx.decode
+    passes: list[int] = []
+
+    def counted(batch: list[BatchToken]) -> None:
+        passes.append(len(batch))
+        decode(batch)
+
+    monkeypatch.setattr(ctx, "decode", counted)
+    opts = replace(GREEDY, max_tokens=max_tokens)
+    plain, spec = both(model, PROMPT, opts)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 10
+    filler = model.status().filler_rows
+    assert filler > 0
+    passes.clear()
+    spec = model.complete(PROMPT, opts)  # a retry: its earlier reply drafted, 5 at a time
+    assert spec.completion_tokens == plain.completion_tokens
+    assert held(model) == len(spec.prompt_tokens) + max_tokens - 1  # no filler cell left
+    assert model.status().filler_rows > filler
+    verify = [rows for rows in passes if 1 < rows <= 8]  # not the prompt's chunks
+    assert 8 in verify and all(rows <= 4 or rows == 8 for rows in verify), verify
+
+
+def test_no_filler_where_a_row_costs_more_than_the_step(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.5, tile=8, step=0.3)))
+    model = engine.load_model(config=spec_config())
+    plain, spec = both(model, PROMPT, replace(GREEDY, max_tokens=23))
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 0 and model.status().filler_rows == 0
+
+
 def test_window_end_mid_draft(engine: Engine) -> None:
     cfg = spec_config()
     cfg = replace(cfg, context=replace(cfg.context, n_ctx=230))

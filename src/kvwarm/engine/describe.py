@@ -193,6 +193,7 @@ def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Wor
         drafted_tokens=s.drafted_tokens,
         accepted_tokens=s.accepted_tokens,
         verify_passes=s.verify_passes,
+        filler_rows=s.filler_rows,
         prewarms=s.prewarms,
         prewarm_prompt_tokens=s.prewarm_prompt_tokens,
         prewarm_cached_tokens=s.prewarm_cached_tokens,

@@ -658,11 +658,13 @@ class ModelStatus:
     kv_cells: int = 0  # the context's cells: n_ctx for each of the n_parallel slots
     slots: tuple[SlotStatus, ...] = ()
     prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
-    #: Speculative decoding: tokens drafted and accepted (finished requests), and the slots'
-    #: passes that verified a draft.
+    #: Speculative decoding: tokens drafted and accepted (finished requests), the slots'
+    #: passes that verified a draft, and the filler rows that padded such passes to a whole
+    #: tile of the CPU's matrix kernel (``drafts.Cost.pad``).
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_passes: int = 0
+    filler_rows: int = 0
     #: The cache's upkeep (``Model.prewarm``: keep-alive's re-warms, ``/cache/prewarm``,
     #: ``--prewarm-system``), none of it in the counts above: prewarms ended, their prompt
     #: tokens, of them reused and run through the model, and their prefill time.

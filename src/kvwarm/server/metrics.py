@@ -213,6 +213,14 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         1,
     ),
     (
+        "kvwarm_spec_filler_rows_total",
+        "counter",
+        "speculative decoding: filler rows that padded a verify pass to a whole tile of the "
+        "CPU's matrix kernel (cheaper than the rows past it)",
+        "filler_rows",
+        1,
+    ),
+    (
         "kvwarm_prefill_seconds_total",
         "counter",
         "time spent in prefill, once per prefill run (n > 1 choices share one)",

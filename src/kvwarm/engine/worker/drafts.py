@@ -301,7 +301,7 @@ class DraftBudget:
         for k in range(1, limit + 1):
             p *= a * through if k - 1 in breaks else a
             gain += p
-            value = gain / cost.of(k)
+            value = gain / cost.draft(k)
             if value > best:
                 best_k, best, best_gain, best_p = k, value, gain, p
             elif p < 1e-3 and not cost.split(k + 1):
@@ -311,8 +311,8 @@ class DraftBudget:
         if end and 0 < best_k < limit and k == limit:
             # This pass and, if it is kept whole, one more for the last limit - best_k tokens.
             rest = limit - best_k
-            two = (best_gain + best_p * rest) / (cost.of(best_k) + best_p * cost.of(rest - 1))
-            if gain / cost.of(limit) >= two:
+            two = (best_gain + best_p * rest) / (cost.draft(best_k) + best_p * cost.draft(rest - 1))
+            if gain / cost.draft(limit) >= two:
                 return limit
         return best_k
 
@@ -1242,22 +1242,55 @@ class Cost:
     against 4 rows at a time on AVX-512 and reads them once more for the rest
     (``ModelFacts.pass_tile``): Gemma 3 270M, whose tied Q8_0 output is 90% of its weight
     bytes, took 44 ms for 8 rows, 61 for 9 and 58 for 12 (``bench/verify_ceiling.py``), so a
-    draft of 7 tokens costs less than one of 6 and 8 more than one of 11."""
+    draft of 7 tokens costs less than one of 6 and 8 more than one of 11.
+
+    A pass of rows past a multiple of the tile may instead take filler rows up to the next
+    multiple (``pad``), each costing ``row`` (a verify row's ``per_token``; None: that), where
+    they cost less than the step: a draft cut short by its source, the request's
+    ``max_tokens`` or its window then pays for a few rows, not another sweep of the weights
+    (Gemma 3 270M: 48 rows took 186 ms, 47 took 197)."""
 
     fixed: float
     per_token: float
     tile: int = 1
     step: float = 0.0
+    #: What one filler row costs (``pad``), in one-token passes; None: ``per_token``. A draft
+    #: model's drafted token costs its own pass besides its row (``DraftCost.total``); a
+    #: filler row is drafted by nobody.
+    row: float | None = None
 
     def of(self, k: int) -> float:
+        """What a pass of ``k + 1`` rows costs (its one token and a draft of ``k``)."""
         if k <= 0:
             return 1.0
         extra = self.step if self.split(k + 1) else 0.0
         return 1.0 + self.fixed + self.per_token * k + extra
 
+    def draft(self, k: int) -> float:
+        """What a draft of ``k`` tokens costs its pass, with the filler rows that pass then
+        takes where they cost less than the step (``pad``)."""
+        pad = self.pad(k + 1)
+        return self.of(k) - (self.step - self.per_row * pad if pad else 0.0)
+
     def split(self, rows: int) -> bool:
         """Whether a pass of ``rows`` rows pays ``step``: more than ``tile``, not a multiple."""
         return rows > self.tile > 1 and rows % self.tile != 0
+
+    def pad(self, rows: int) -> int:
+        """How many filler rows a pass of ``rows`` rows is worth: up to the next multiple of
+        the tile, where they cost less than the step it would pay; else 0."""
+        if not self.split(rows):
+            return 0
+        filler = self._filler(rows)
+        return filler if self.per_row * filler < self.step else 0
+
+    @property
+    def per_row(self) -> float:
+        """What one filler row costs, in one-token passes."""
+        return self.per_token if self.row is None else self.row
+
+    def _filler(self, rows: int) -> int:
+        return -rows % self.tile
 
 
 class PassCost:
@@ -1455,7 +1488,7 @@ class DraftCost:
     def total(self, cost: Cost, plain: float | None) -> Cost:
         """``cost`` (the verify pass's) with each drafted token's draft pass added: what a draft
         of ``k`` tokens costs in all, as ``DraftBudget.length`` weighs it."""
-        return replace(cost, per_token=cost.per_token + self.per_token(plain))
+        return replace(cost, per_token=cost.per_token + self.per_token(plain), row=cost.per_row)
 
 
 def _lower_quartile(values: Iterable[float]) -> float:

@@ -70,6 +70,7 @@ class WorkerStats:
     drafted_tokens: int = 0  # speculative decoding: tokens drafted into verify passes
     accepted_tokens: int = 0  # ... and accepted by the model
     verify_passes: int = 0  # slots' passes that verified a draft
+    filler_rows: int = 0  # rows that filled a verify pass up to a tile (``Cost.pad``)
     hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "partial": 0, "cold": 0})
     #: The cache's upkeep (``Request.upkeep``: ``Model.prewarm``), apart from the requests
     #: above: prewarms ended, their prompt tokens, those reused and those run through the

@@ -63,9 +63,10 @@ class Sampling:
             return
         self.outcomes.finish(slot, reason, self._logits_bytes(slot, row, stored))
 
-    def on_verify(self, slot: Slot, first: int, draft: list[int]) -> None:
+    def on_verify(self, slot: Slot, first: int, draft: list[int], pad: int = 0) -> None:
         """Speculative decoding: batch rows ``first .. first + len(draft)`` hold the logits
-        after the slot's ``pending`` token and after each draft token. Each row is sampled
+        after the slot's ``pending`` token and after each draft token (and ``pad`` filler
+        rows after them, never sampled: ``Tick._pad``). Each row is sampled
         in turn, exactly as plain decoding would sample it (the same sampler, its state, its
         seed), for as long as the draft so far is what was sampled; the first sampled token
         that differs from the draft (or the one after a fully accepted draft) becomes the new
@@ -76,8 +77,9 @@ class Sampling:
         decoding"). So output, logprobs, grammar and penalties are plain decoding's.
 
         Then the KV: the cells of the draft tokens past the last accepted one are removed
-        (``seq_rm``, checked); ``kv_tokens`` grows by ``pending`` and the accepted draft, and
-        only then may the request finish (its finish save packs exactly those)."""
+        (``seq_rm``, checked), the filler's with them; ``kv_tokens`` grows by ``pending`` and
+        the accepted draft, and only then may the request finish (its finish save packs
+        exactly those)."""
         act = slot.active
         assert act is not None and act.pending is not None
         rt = self.rt
@@ -108,12 +110,13 @@ class Sampling:
                     act.pending = token
                 break
         # ``decoded`` and draft[:last] hold the KV the sampled tokens were sampled from.
-        self._trim(slot, n + last + 1, n + len(draft))
+        self._trim(slot, n + last + 1, n + len(draft) + pad)
         slot.kv_tokens.append(decoded)
         slot.kv_tokens.extend(draft[:last])
         act.drafted += len(draft)
         act.accepted += matched
         rt.stats.verify_passes += 1
+        rt.stats.filler_rows += pad
         if act.drafter is not None:
             act.drafter.verified(len(draft), matched, after)
         self.outcomes.port.decoded(slot)

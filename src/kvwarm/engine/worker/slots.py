@@ -61,6 +61,12 @@ class Active:
     drafter: Drafter | ModelDrafter | None = None
     spec_decided: bool = False
     draft: list[int] = field(default_factory=list)
+    #: Filler rows after the draft in this tick's pass (``Tick._batch``, ``Cost.pad``): their
+    #: cells are removed with the rejected draft's, their logits never sampled.
+    pad: int = 0
+    #: How many positions past the draft the pass may still fill (its window, its memory's
+    #: lookahead, one ubatch): ``Tick._propose`` sets it with the draft.
+    pad_room: int = 0
     drafted: int = 0
     accepted: int = 0
     #: The LoRA adapters its forward passes run under (``engine/adapters.py``): fixed at

@@ -201,17 +201,20 @@ class Tick:
         # Rows n .. n + k must stay inside the slot's window and the token budget (the
         # pending token is the first of them), and a memory that cannot roll back far
         # limits how far past n the pass may go.
-        end = min(rt.cfg.n_ctx_slot - 1 - n, act.req.options.max_tokens - len(act.generated) - 1)
-        limit = min(room, end)
+        window = rt.cfg.n_ctx_slot - 1 - n
+        end = min(window, act.req.options.max_tokens - len(act.generated) - 1)
+        reach = window  # how far past n the pass's rows may go, filler rows included
         ahead = rt.memory.lookahead(n)
         if ahead is not None:
-            limit = min(limit, ahead - 1)
+            reach = min(reach, ahead - 1)
         if rt.memory.kind == "swa" and not rt.memory.trimmable:
-            limit = min(limit, rt.cfg.n_ubatch - 1)  # its pass fits one ubatch (``_run_call``)
+            reach = min(reach, rt.cfg.n_ubatch - 1)  # its pass fits one ubatch (``_run_call``)
+        limit = min(room, end, reach)
         if limit <= 0:
             return 0
         # ``end``: the request stops right after these rows (its max_tokens, its window).
         act.draft = act.drafter.propose(act.generated, limit, rt.pass_cost.cost, end=limit == end)
+        act.pad_room = max(0, reach - len(act.draft))
         return len(act.draft)
 
     def _drafter(self, act: Active, seq: int) -> Drafter | ModelDrafter | None:
@@ -294,16 +297,39 @@ class Tick:
             rows.append((slot, len(batch) - 1, chunk))
         # A verify pass last: its rejected draft's cells are then the top of the cells in use
         # when they are removed, and the next pass fills them again (``_run_call``).
+        verifying: Slot | None = None
         for i in drafting:
-            slot = self.rt.slots[i]
+            verifying = slot = self.rt.slots[i]
             act = slot.active
             assert act is not None and act.pending is not None
+            act.pad = 0
             rows.append((slot, len(batch), None))
             n = len(slot.kv_tokens)
             batch.append(BatchToken(act.pending, n, slot.seq, True))
             for j, token in enumerate(act.draft):
                 batch.append(BatchToken(token, n + 1 + j, slot.seq, True))
+        if verifying is not None and not chunks:
+            self._pad(verifying, batch)
         return batch, rows
+
+    def _pad(self, slot: Slot, batch: list[BatchToken]) -> None:
+        """Fill a decode-only pass that verifies ``slot``'s draft (its rows last) up to a whole
+        tile of the CPU's matrix kernel with filler rows after the draft, where they cost less
+        than the rest of a tile would (``Cost.pad``): every row of such a pass wants logits,
+        so each goes through the output's product, which reads the weights once more for
+        the rows past a multiple of the tile. The filler's positions follow the draft's, in
+        its sequence and within its reach (``Active.pad_room``); a row sees only the cells
+        before it, so the draft's rows are what they were, and the filler's cells are removed
+        with the rejected draft's (``Sampling.on_verify``)."""
+        act = slot.active
+        assert act is not None
+        pad = self.rt.pass_cost.cost.pad(len(batch))
+        if pad <= 0 or pad > act.pad_room or len(batch) + pad > self.rt.cfg.n_batch:
+            return
+        start = len(slot.kv_tokens) + 1 + len(act.draft)
+        filler = act.draft[-1]
+        batch.extend(BatchToken(filler, start + j, slot.seq, True) for j in range(pad))
+        act.pad = pad
 
     def _splits_verify(self, n_batch: int, n_rows: int) -> bool:
         """Whether the last ``n_rows`` of a call of ``n_batch`` tokens (a verify pass) would
@@ -344,7 +370,10 @@ class Tick:
         batch, rows = self._batch(decode_slots, chunks)
         if not batch:
             return
-        verify = 1 + len(self._active(drafting[0]).draft) if drafting else 0
+        verify = 0
+        if drafting:
+            first = self._active(drafting[0])
+            verify = 1 + len(first.draft) + first.pad
         if len(batch) > verify > 0 and self._splits_verify(len(batch), verify):
             # A sliding window's verify pass split over two ubatches: llama.cpp places the
             # later ubatch as if the earlier one's draft rows were kept (a cell masked for
@@ -497,7 +526,8 @@ class Tick:
         assert act is not None and act.pending is not None
         if act.draft:
             draft, act.draft = act.draft, []
-            self.sampling.on_verify(slot, row, draft)
+            pad, act.pad = act.pad, 0
+            self.sampling.on_verify(slot, row, draft, pad)
             return
         slot.kv_tokens.append(act.pending)
         act.pending = None
