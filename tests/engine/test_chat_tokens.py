@@ -5,8 +5,12 @@ one with real control tokens such as ``<|im_start|>``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from tests.engine.conftest import make_engine, stub_config
+from tests.server.test_tool_templates_stub import DROPS_SYSTEM, NO_SYSTEM
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import BackendModel, ModelParams
@@ -161,3 +165,41 @@ def test_bos_is_placed_as_llama_server_places_it(template: str, gemma_path: str)
         assert list(tokens) == LLAMA_SERVER_GEMMA[template]
     finally:
         gemma.close()
+
+
+@pytest.mark.parametrize("source", [NO_SYSTEM, DROPS_SYSTEM], ids=["refuses", "drops"])
+def test_a_library_chat_folds_its_system_prompt_as_the_server_does(
+    tmp_path: Path, source: str
+) -> None:
+    """Before: only the server's chat APIs folded a leading system message into the first
+    user turn for a template that shows none (``prompts.system_folded``); ``Model.chat`` under
+    Gemma 2's template was an ``InvalidRequestError`` ("System role not supported"), and under
+    one that drops system messages the text was lost without a word."""
+    template = tmp_path / "template.jinja"
+    template.write_text(source)
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=replace(stub_config(), chat_template=str(template)))
+        system, ask = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}
+        tokens, text = model.chat_tokens([system, ask])
+        assert "Be brief.\nHi" in text
+        assert (tokens, text) == model.chat_tokens([{"role": "user", "content": "Be brief.\nHi"}])
+        two = model.chat_tokens([system, {**system, "content": "Be kind."}, ask])[1]
+        assert "Be brief.\nBe kind.\nHi" in two
+        # Alone, it is the user turn: what --prewarm-system warms, its requests' prefix.
+        alone, _ = model.chat_tokens([system], add_generation_prompt=False)
+        assert (
+            alone
+            == model.chat_tokens([{**ask, "content": "Be brief."}], add_generation_prompt=False)[0]
+        )
+        assert model.chat([system, ask], max_tokens=2, temperature=0.0).stats.prompt_tokens == len(
+            tokens
+        )
+        # The template's own render stays as it is: the server probes the template through it.
+        if source == NO_SYSTEM:
+            with pytest.raises(InvalidRequestError, match="System role not supported"):
+                model.apply_chat_template([system, ask])
+        else:
+            assert "Be brief." not in model.apply_chat_template([system, ask])
+    finally:
+        engine.close()

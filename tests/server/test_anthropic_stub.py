@@ -499,3 +499,28 @@ def test_consecutive_same_role_messages_are_one_turn(
             MessagesRequest.model_validate({"max_tokens": 5, "messages": ends_in_a_call})
         )
     assert caught.value.param == "messages.1"
+
+
+def test_a_busy_server_is_anthropics_529_overloaded() -> None:
+    # Found by review: "server busy" (here a model still loading) was a 503 on /v1/messages,
+    # typed overloaded_error, which Anthropic's API answers as a 529: its SDK raised
+    # ServiceUnavailableError, not the OverloadedError that code waiting out an overload
+    # catches. The Retry-After stays; OpenAI's routes stay 503.
+    client = TestClient(create_app(stub_settings()))  # no lifespan: the models never load
+    claude = sdk.Anthropic(
+        base_url="http://testserver", api_key="k", http_client=client, max_retries=0
+    )
+    ask: list[sdk.types.MessageParam] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(sdk.OverloadedError) as caught:
+        claude.messages.create(model="a", max_tokens=1, messages=ask)
+    assert caught.value.status_code == 529
+    assert caught.value.response.headers["retry-after"] == "1"
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the model 'a' is still loading"},
+    }
+    with pytest.raises(sdk.OverloadedError):
+        claude.messages.count_tokens(model="a", messages=ask)
+    openai = client.post("/v1/chat/completions", json={"model": "a", "messages": ask})
+    assert openai.status_code == 503 and openai.headers["retry-after"] == "1"
+    assert openai.json()["error"]["code"] == "model_loading"

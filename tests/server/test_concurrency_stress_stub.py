@@ -9,7 +9,7 @@ loads models. After each episode:
 - every request ended (bounded waits: a hang fails);
 - each greedy reply is the reply the same request gets alone from a fresh server, or a typed
   error the chaos explains (a model busy when the budget needed its room: 507; unloaded under
-  the request: 503);
+  the request: 503, Anthropic's 529);
 - every loaded model's gauges (active, queued) are 0, and its KV cells too once evicted;
 - ``/cache/verify`` finds nothing bad;
 - once the server stopped, no thread it started is left and no file descriptor leaked.
@@ -48,8 +48,8 @@ MIB = 1 << 20
 WAIT_S = 60.0
 MODELS = ("copy-alpha", "copy-beta")  # "copy": the stub repeats itself, so drafts land
 #: Statuses the chaos explains: a model the budget could not make room for (the other busy),
-#: one unloaded or reloading under the request, a full queue.
-EXPLAINED = {503, 507, 429}
+#: one unloaded or reloading under the request (503; Anthropic's 529), a full queue.
+EXPLAINED = {503, 529, 507, 429}
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,9 @@ def test_param_queue_retry_and_internal_details() -> None:
     [
         (e.UnknownModelError("nope"), 404, "not_found_error"),
         (e.QueueFullError("busy"), 429, "rate_limit_error"),
-        (e.ModelCapacityError("full"), 503, "overloaded_error"),
+        # Anthropic's status for overloaded_error (its SDK's OverloadedError), not a 503.
+        (e.ModelCapacityError("full"), 529, "overloaded_error"),
+        (e.EngineClosedError("closed"), 529, "overloaded_error"),
         # Anthropic's type for a 504 (its SDK's gateway timeout error); it said api_error.
         (e.ReplicaTimeoutError("stuck"), 504, "timeout_error"),
         (e.KvwarmError("other"), 500, "api_error"),
@@ -75,3 +77,17 @@ def test_anthropic_error_types_follow_the_status(
     assert response.status_code == status
     body = json.loads(bytes(response.body))
     assert body == {"type": "error", "error": {"type": kind, "message": str(exc)}}
+
+
+def test_an_anthropic_529_keeps_its_retry_after_and_openai_stays_503() -> None:
+    busy = error_response(e.ModelCapacityError("full"), "/v1/messages")
+    assert (busy.status_code, busy.headers["retry-after"]) == (529, "1")
+    loading = HTTPError(503, "loading", code="model_loading", headers={"Retry-After": "1"})
+    raised = error_response(loading, "/v1/messages")
+    assert (raised.status_code, raised.headers["retry-after"]) == (529, "1")
+    assert json.loads(bytes(raised.body))["error"]["type"] == "overloaded_error"
+    # /v1/models speaks Anthropic's dialect to an Anthropic client only.
+    assert error_response(loading, "/v1/models", anthropic=True).status_code == 529
+    for path in ("/v1/chat/completions", "/v1/models", "/v1/responses"):
+        assert error_response(loading, path).status_code == 503
+        assert error_response(e.ModelCapacityError("full"), path).status_code == 503

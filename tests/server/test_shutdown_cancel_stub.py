@@ -1,5 +1,6 @@
 """A request the server's shutdown cancels before its response started gets a 503 in the
-API's shape (found by review: uvicorn answered it with a plain-text 500)."""
+API's shape (found by review: uvicorn answered it with a plain-text 500); Anthropic's is its
+529 ``overloaded_error``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from kvwarm.server.state import ServerState
 from .conftest import stub_settings
 
 
-def test_a_request_cancelled_by_the_shutdown_is_a_shaped_503() -> None:
+@pytest.mark.parametrize(("path", "status"), [("/v1/chat/completions", 503), ("/v1/messages", 529)])
+def test_a_request_cancelled_by_the_shutdown_is_answered_in_its_apis_shape(
+    path: str, status: int
+) -> None:
     sent: list[dict[str, object]] = []
 
     async def run() -> None:
@@ -34,7 +38,7 @@ def test_a_request_cancelled_by_the_shutdown_is_a_shaped_503() -> None:
         scope = {
             "type": "http",
             "method": "POST",
-            "path": "/v1/chat/completions",
+            "path": path,
             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")],
         }
         task = asyncio.ensure_future(app(scope, receive, send))  # type: ignore[arg-type]
@@ -45,6 +49,9 @@ def test_a_request_cancelled_by_the_shutdown_is_a_shaped_503() -> None:
 
     asyncio.run(run())
     assert sent and sent[0]["type"] == "http.response.start"
-    assert sent[0]["status"] == 503
+    assert sent[0]["status"] == status
     body = json.loads(sent[1]["body"])  # type: ignore[arg-type]
-    assert body["error"]["code"] == "shutting_down", body
+    if status == 529:
+        assert body["type"] == "error" and body["error"]["type"] == "overloaded_error", body
+    else:
+        assert body["error"]["code"] == "shutting_down", body

@@ -5,6 +5,8 @@ model's versions are in ``test_live_openai_surface.py``)."""
 from __future__ import annotations
 
 import json
+import types
+import typing
 from collections.abc import Iterator
 
 import httpx
@@ -12,9 +14,13 @@ import openai
 import pydantic
 import pytest
 from anthropic import Anthropic
+from anthropic.types import message_count_tokens_params as count_params
+from anthropic.types import message_create_params as message_params
 from openai import OpenAI
 from openai.types.chat import ChatCompletionChunk
+from openai.types.chat import completion_create_params as chat_params
 from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
+from openai.types.responses import response_create_params as response_params
 
 from kvwarm.settings import ModelSpec
 
@@ -141,6 +147,64 @@ def test_null_optional_fields_mean_their_defaults(client: OpenAI, http: httpx.Cl
         headers={"Authorization": f"Bearer {KEY}"},
     )
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+
+
+def _nullable(params: type) -> list[str]:
+    """The fields of an SDK's request TypedDict that its API declares nullable (``Optional``,
+    or a union with ``None``: the SDKs are generated from each API's OpenAPI spec)."""
+    hints = typing.get_type_hints(params)
+    return sorted(name for name, hint in hints.items() if type(None) in _union_args(hint))
+
+
+def _union_args(hint: object) -> tuple[object, ...]:
+    while typing.get_origin(hint) in (typing.Required, typing.NotRequired):
+        hint = typing.get_args(hint)[0]
+    return (
+        typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            chat_params.CompletionCreateParamsNonStreaming,
+            {"messages": MESSAGES},
+        ),
+        ("/v1/responses", response_params.ResponseCreateParamsNonStreaming, {"input": "hi"}),
+        ("/v1/messages", message_params.MessageCreateParamsNonStreaming, {"messages": MESSAGES}),
+        (
+            "/v1/messages/count_tokens",
+            count_params.MessageCountTokensParams,
+            {"messages": MESSAGES},
+        ),
+    ],
+)
+def test_every_field_the_official_api_declares_nullable_takes_null(
+    http: httpx.Client, path: str, params: type, body: dict[str, object]
+) -> None:
+    """``null`` is "not given" for each field the official SDK's types (OpenAI's, Anthropic's)
+    mark nullable, read from those types rather than listed here. The legacy completions'
+    ``prompt`` is left out: its null means OpenAI's ``<|endoftext|>`` document start, which
+    kvwarm refuses as a missing prompt (server.md)."""
+    nullable = _nullable(params)
+    assert nullable  # the types were read
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base = {"model": "a", "max_tokens": 2, "max_output_tokens": 2, **body}
+    for name in nullable:
+        response = http.post(path, json={**base, name: None}, headers=headers)
+        assert response.status_code == 200, (name, response.text)
+
+
+def test_a_null_anthropic_refuses_is_a_400(http: httpx.Client) -> None:
+    """Anthropic's ``stream`` is no nullable field (``Literal[False]`` in its SDK's types, a
+    boolean in its API's spec), so ``"stream": null`` is a 400 there as at Anthropic."""
+    assert "stream" not in _nullable(message_params.MessageCreateParamsNonStreaming)
+    body = {"model": "a", "max_tokens": 2, "messages": MESSAGES, "stream": None}
+    response = http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert response.status_code == 400, response.text
+    assert "stream" in response.json()["error"]["message"]
 
 
 def test_an_assistant_refusal_part_is_its_text(client: OpenAI) -> None:

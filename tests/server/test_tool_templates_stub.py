@@ -152,3 +152,30 @@ def test_a_system_prompt_opens_the_first_user_turn(client: TestClient) -> None:
         json={"model": "a", "max_output_tokens": 1, "instructions": "Be brief.", "input": "Hi"},
     )
     assert response.status_code == 200, response.json()
+
+
+@pytest.mark.parametrize("source", [NO_SYSTEM, DROPS_SYSTEM], ids=["refuses", "drops"])
+def test_a_prewarmed_system_prompt_is_the_prefix_its_requests_render(
+    tmp_path: Path, source: str
+) -> None:
+    # Before: --prewarm-system rendered the prompt as a system message whatever the template:
+    # one that refuses it failed the prewarm (a warning, nothing warmed), one that drops it
+    # warmed a prompt without the text; the chats that open with that system prompt (folded
+    # into their first user turn) never hit it. Now the prewarm is folded by the same
+    # function, so it is their prefix but for the turn's closing markup.
+    template = tmp_path / "template.jinja"
+    template.write_text(source)
+    system = "You are the startup assistant; keep every answer short and friendly."
+    settings = stub_settings(chat_template=str(template), prewarm_system=(system,))
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        assert client.app.state.kvwarm.require_engine().cache.flush()
+        assert sorted(e["model"] for e in client.get("/cache/stats").json()["keep_alive"]) == [
+            "a",
+            "b",
+        ]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+        body = {"model": "a", "messages": messages, "max_tokens": 1}
+        usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    # The stub's tokens are about a byte each: the whole system text came from the cache.
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(system)

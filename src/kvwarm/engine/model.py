@@ -72,8 +72,11 @@ from kvwarm.engine.prompts import (
     chat_prompt,
     check_chat_size,
     fim_tokens,
+    leads_with_system,
     longest_piece,
+    shows_system,
     span_digest,
+    system_folded,
 )
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.rerank import Ranker, RerankLimits
@@ -213,6 +216,7 @@ class Model:
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         self._longest_lock = threading.Lock()
         self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
+        self._system_shown: bool | None = None  # prompts.shows_system of its template, once
         try:
             if cfg.mmproj is not None:
                 self._projector = self._load_projector(cfg.mmproj)
@@ -636,6 +640,8 @@ class Model:
         tools: Sequence[Mapping[str, object]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        """The template's render of ``messages`` as they are (no system message folded:
+        ``chat_prompt`` folds; the server probes the template through this)."""
         self._check_ready()
         return self._bmodel.apply_chat_template(
             messages,
@@ -972,9 +978,16 @@ class Model:
         """The prompt of a chat, with its images and audio (content parts of type ``image``
         (bytes, a path, a data: URI or a ``kvwarm.media.Image``), ``image_url`` (a data:
         URI), ``audio``, ``input_audio``), decoded under ``ModelConfig.media``, and its
-        rendered text (each medium shown as ``<__media__>``)."""
+        rendered text (each medium shown as ``<__media__>``). Under a template that shows no
+        system message (Gemma 2's refuses one), the leading system messages open the first
+        user turn (``prompts.system_folded``), as the server's chat APIs send them: found by
+        review, a library chat with a system prompt was an ``InvalidRequestError`` there, or
+        lost its text under a template that drops it, and a ``--prewarm-system`` warmed
+        nothing."""
         self._check_ready()
         check_chat_size(messages, self.config.context.n_ctx, self._longest_piece)
+        if leads_with_system(messages) and not self._shows_system():
+            messages = system_folded(messages)  # checked: a list of messages
         return chat_prompt(
             self._bmodel,
             messages,
@@ -983,6 +996,15 @@ class Model:
             template=self._template,
             media=ChatMedia(self._projector, self.config.media),
         )
+
+    def _shows_system(self) -> bool:
+        """``prompts.shows_system`` of the template chats render with, probed once (two
+        threads at once both probe, to the same answer)."""
+        if self._system_shown is None:
+            self._system_shown = shows_system(
+                lambda messages: self._bmodel.apply_chat_template(messages, template=self._template)
+            )
+        return self._system_shown
 
     def _longest_piece(self) -> int:
         """``prompts.longest_piece``, computed once (under a lock: one pass, not several)."""

@@ -116,6 +116,63 @@ def span_digest(media: Media, index: int) -> bytes:
     return hashlib.sha256(media.digest + index.to_bytes(4, "little")).digest()
 
 
+#: What ``shows_system`` renders as a system message and looks for in the render.
+_SYSTEM_PROBE_TEXT = "kvwarm-system-probe"
+
+
+def shows_system(render: Callable[[Sequence[Message]], str]) -> bool:
+    """Whether a chat template (``render``: messages to its text) shows a system message:
+    Gemma 2's and Mistral's first ones refuse one ("System role not supported"), some drop
+    it without a word. Where it shows none, a chat's leading system messages reach it
+    ``system_folded``."""
+    probe: list[Message] = [
+        {"role": "system", "content": _SYSTEM_PROBE_TEXT},
+        {"role": "user", "content": "hi"},
+    ]
+    try:
+        rendered = render(probe)
+    except InvalidRequestError:  # the template refused it
+        return False
+    return _SYSTEM_PROBE_TEXT in rendered
+
+
+def leads_with_system(messages: Sequence[Message]) -> bool:
+    """Whether the chat opens with a system message (what ``system_folded`` moves)."""
+    return bool(messages) and messages[0].get("role") == "system"
+
+
+def system_folded(messages: Sequence[Message]) -> list[dict[str, object]]:
+    """``messages`` for a template that shows no system message (``shows_system``): the
+    leading system messages open the first user turn, each a line before the next, as
+    llama.cpp's server folds them (``common/chat.cpp``, ``system_message_not_supported``);
+    with no user turn after them they are one of their own (llama.cpp drops the text there).
+    The one fold of the server's chat APIs, the library's chats and ``--prewarm-system``, so
+    a prewarmed system prompt is the prefix its requests render."""
+    lead = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    rest = [dict(m) for m in messages[lead:]]
+    if not lead:
+        return rest
+    turn: dict[str, object] = {"role": "user", "content": messages[0].get("content")}
+    for message in messages[1:lead]:
+        turn = joined_turns(turn, message)
+    if rest and rest[0].get("role") == "user":
+        turn, rest = {**rest[0], **joined_turns(turn, rest[0])}, rest[1:]
+    return [turn, *rest]
+
+
+def joined_turns(first: Message, second: Message) -> dict[str, object]:
+    """Two turns as one user turn (a template that wants roles to alternate, as Gemma's and
+    Mistral's do, refuses two in a row): their texts, or parts, one after the other."""
+    a, b = first.get("content"), second.get("content")
+    if isinstance(a, str) and isinstance(b, str):
+        return {"role": "user", "content": f"{a}\n{b}"}
+    return {"role": "user", "content": [*_parts(a), {"type": "text", "text": "\n"}, *_parts(b)]}
+
+
+def _parts(content: object) -> list[object]:
+    return list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
 def content_chars(messages: Sequence[Message]) -> int:
     """How many characters of text the messages' contents hold (strings, and the ``text`` of
     content parts); what a template renders besides is not counted."""

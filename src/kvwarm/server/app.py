@@ -41,7 +41,7 @@ from kvwarm.server.errors import (
     ERROR_RESPONSES,
     HTTPError,
     error_response,
-    shaped_body,
+    shaped_error,
     speaks_anthropic,
 )
 from kvwarm.server.guard import Guard, exposure_warnings, normal_origin, route_path, send_json
@@ -90,7 +90,7 @@ class _Observe:
         if refused is not None:
             status, message, code = refused
             path, anthropic = route_path(scope), _anthropic(scope)
-            body = shaped_body(
+            status, body = shaped_error(
                 path, status, message, "invalid_request_error", code, anthropic=anthropic
             )
             await send_json(send, status, body)
@@ -122,11 +122,10 @@ class _Observe:
             # The server's shutdown gave up waiting for this request (found by review: it got
             # uvicorn's plain-text 500): a 503 in the API's own shape, then the cancellation.
             if not started:
-                status = 503
                 message = "the server is shutting down; retry on another instance or later"
-                body = shaped_body(
+                status, body = shaped_error(
                     route_path(scope),
-                    status,
+                    503,
                     message,
                     "service_unavailable",
                     "shutting_down",

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Protocol
 from starlette.concurrency import run_in_threadpool
 
 from kvwarm.backends.grammar_cost import cheap_grammar
+from kvwarm.engine.prompts import shows_system
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
-from kvwarm.errors import GrammarError, InvalidRequestError, ReplicaUnavailableError
+from kvwarm.errors import GrammarError, ReplicaUnavailableError
 from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
@@ -131,30 +132,20 @@ def renders_tools(model: ChatTemplate, tools: Sequence[Tool]) -> bool:
 
 
 _SYSTEM_PROBE = "\0system"  # the key of ``accepts_system``'s answer among a model's tool sets
-_SYSTEM_TEXT = "kvwarm-system-probe"
 
 
 def accepts_system(model: ChatTemplate) -> bool:
-    """Whether the model's template shows a system message: Gemma 2's, Mistral's first ones
-    refuse it, some drop it without a word; where emulated tools are described. Remembered
-    per model."""
+    """Whether the model's template shows a system message (``prompts.shows_system``, the
+    engine's probe: ``Model.chat`` folds by the same answer); where it shows none, the
+    client's system prompt and emulated tools' description open the first user turn.
+    Remembered per model; a cluster's lost replica (``ReplicaUnavailableError``) is no
+    answer about the template and raises."""
     with _PROBED_LOCK:
         known = _PROBED.get(model)
         if known is not None and _SYSTEM_PROBE in known:
             known.move_to_end(_SYSTEM_PROBE)  # among the tool sets, last out
             return known[_SYSTEM_PROBE]
-    probe: list[dict[str, object]] = [
-        {"role": "system", "content": _SYSTEM_TEXT},
-        {"role": "user", "content": "hi"},
-    ]
-    try:
-        rendered = model.apply_chat_template(probe)
-    except ReplicaUnavailableError:
-        raise  # a cluster lost the replica asked: no answer about the template
-    except InvalidRequestError:  # the template refused it
-        answer = False
-    else:
-        answer = _SYSTEM_TEXT in rendered  # a template may drop it
+    answer = shows_system(model.apply_chat_template)
     with _PROBED_LOCK:
         _PROBED.setdefault(model, OrderedDict())[_SYSTEM_PROBE] = answer
     return answer

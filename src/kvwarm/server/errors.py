@@ -5,9 +5,10 @@ Invariant: the HTTP status, ``type`` and ``code`` of an error come from the exce
 ``{"error": {"message", "type", "param", "code"}}``, declared once (``ErrorResponse``) for every
 operation's 4XX and 5XX in ``/openapi.json`` (``ERROR_RESPONSES``), where the schema-driven tests
 check each error against it. Under ``ANTHROPIC_PATHS`` the body is Anthropic's
-``{"type": "error", "error": {"type", "message"}}`` instead (same status), which the same schema
-admits, and so it is under ``SHARED_PATHS`` (``/v1/models``) to a request with an
-``anthropic-version`` header (``speaks_anthropic``).
+``{"type": "error", "error": {"type", "message"}}`` instead, which the same schema admits, with
+the same status but where Anthropic's differs (``anthropic_status``: a 503 is its 529
+``overloaded_error``); and so it is under ``SHARED_PATHS`` (``/v1/models``) to a request with
+an ``anthropic-version`` header (``speaks_anthropic``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,17 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",  # Anthropic's for a 504 (found by review: it said api_error)
+    529: "overloaded_error",
 }
+
+
+def anthropic_status(status: int) -> int:
+    """The status an Anthropic client is answered with for what others get as ``status``: a
+    503 (busy, loading, shutting down: ``overloaded_error``) is Anthropic's 529, the status
+    its API gives ``overloaded_error`` and its SDKs read as ``OverloadedError`` (the client
+    code that waits out an overload catches that one; a 503 is ``ServiceUnavailableError``).
+    Found by review: ``/v1/messages`` answered ``overloaded_error`` as a 503."""
+    return 529 if status == 503 else status
 
 
 def anthropic_body(status: int, message: str) -> dict[str, object]:
@@ -173,7 +184,7 @@ def speaks_anthropic(path: str, headers: Iterable[tuple[bytes, bytes]]) -> bool:
     return shared and any(name.lower() == b"anthropic-version" for name, _ in headers)
 
 
-def shaped_body(
+def shaped_error(
     path: str,
     status: int,
     message: str,
@@ -182,12 +193,14 @@ def shaped_body(
     param: str | None = None,
     *,
     anthropic: bool | None = None,
-) -> dict[str, object]:
-    """The error body in the dialect of the API that ``path`` belongs to (``anthropic``:
-    the dialect ``speaks_anthropic`` chose, where the request's headers are known)."""
+) -> tuple[int, dict[str, object]]:
+    """The status and error body in the dialect of the API that ``path`` belongs to
+    (``anthropic``: the dialect ``speaks_anthropic`` chose, where the request's headers are
+    known): Anthropic's status (``anthropic_status``) and body, or ``status`` and OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS) if anthropic is None else anthropic:
-        return anthropic_body(status, message)
-    return dict(error_body(message, type, code, param))
+        status = anthropic_status(status)
+        return status, anthropic_body(status, message)
+    return status, dict(error_body(message, type, code, param))
 
 
 def rename_param(exc: e.InvalidRequestError, names: Mapping[str, str]) -> None:
@@ -209,10 +222,10 @@ def error_response(
     """The response for any exception, shaped for the API of ``path`` (``anthropic``: as
     ``shaped_body``); unexpected ones are logged with their traceback and answered without
     internals."""
-    shaped = functools.partial(shaped_body, anthropic=anthropic)
+    shaped = functools.partial(shaped_error, anthropic=anthropic)
     if isinstance(exc, HTTPError):
-        body = shaped(path, exc.status, exc.message, exc.type, exc.code, exc.param)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+        status, body = shaped(path, exc.status, exc.message, exc.type, exc.code, exc.param)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
     kind = kind_of(exc)
     if isinstance(exc, e.KvwarmError):
         param = exc.param if isinstance(exc, e.InvalidRequestError) else None
@@ -225,8 +238,8 @@ def error_response(
         ) and not isinstance(exc, e.ReplicaTimeoutError)
         headers = {"Retry-After": "1"} if retry else None
         message = str(exc) or type(exc).__name__
-        body = shaped(path, kind.status, message, kind.type, kind.code, param)
-        return JSONResponse(body, status_code=kind.status, headers=headers)
+        status, body = shaped(path, kind.status, message, kind.type, kind.code, param)
+        return JSONResponse(body, status_code=status, headers=headers)
     log.exception("unexpected error", exc_info=exc)
-    body = shaped(path, 500, "internal server error", _SERVER, "internal_error")
-    return JSONResponse(body, status_code=500)
+    status, body = shaped(path, 500, "internal server error", _SERVER, "internal_error")
+    return JSONResponse(body, status_code=status)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwarm.backends.grammar import schemas_to_rules
+from kvwarm.engine.prompts import joined_turns, system_folded
 from kvwarm.errors import GrammarError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.media import engine_parts
@@ -371,10 +372,10 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             else:
                 item = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
             if out and out[-1]["role"] == "user" and not native:
-                out[-1] = _joined(out[-1], item)  # one turn of results, as Hermes templates do
+                out[-1] = joined_turns(out[-1], item)  # one turn of results, as Hermes templates do
                 continue
         elif out and role == "user" and not native and index and _is_result(messages[index - 1]):
-            out[-1] = _joined(out[-1], item)
+            out[-1] = joined_turns(out[-1], item)
             continue
         out.append(item)
     return out
@@ -382,19 +383,6 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
 
 def _is_result(message: ChatMessage) -> bool:
     return message.role in ("tool", "function")
-
-
-def _joined(first: Message, second: Message) -> Message:
-    """Two user turns as one (a template that wants roles to alternate, as Gemma's and
-    Mistral's do, refuses two in a row): their texts, or parts, one after the other."""
-    a, b = first["content"], second["content"]
-    if isinstance(a, str) and isinstance(b, str):
-        return {"role": "user", "content": f"{a}\n{b}"}
-    return {"role": "user", "content": [*_parts(a), {"type": "text", "text": "\n"}, *_parts(b)]}
-
-
-def _parts(content: object) -> list[object]:
-    return list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 def openai_tools(tools: Sequence[Tool]) -> list[Message]:
@@ -575,24 +563,6 @@ def _appended(content: object, prompt: str) -> object:
     if isinstance(content, list):
         return [*content, {"type": "text", "text": f"\n\n{prompt}"}]
     return f"{content}\n\n{prompt}"
-
-
-def system_folded(rendered: list[Message]) -> list[Message]:
-    """``rendered`` for a template that shows no system message (refuses it, as Gemma 2's and
-    Mistral's first ones do, or drops it without a word: ``chat.accepts_system``): the leading
-    system messages open the first user turn, each a line before the next, as llama.cpp's
-    server folds them (``common/chat.cpp``, ``system_message_not_supported``); with no user
-    turn after them they are one of their own (llama.cpp drops the text there)."""
-    lead = next((i for i, m in enumerate(rendered) if m["role"] != "system"), len(rendered))
-    if not lead:
-        return rendered
-    turn: Message = {"role": "user", "content": rendered[0]["content"]}
-    for message in rendered[1:lead]:
-        turn = _joined(turn, message)
-    rest = rendered[lead:]
-    if rest and rest[0]["role"] == "user":
-        turn, rest = {**rest[0], **_joined(turn, rest[0])}, rest[1:]
-    return [turn, *rest]
 
 
 def _new_id() -> str:
