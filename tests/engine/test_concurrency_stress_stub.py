@@ -1,10 +1,11 @@
 """A seeded concurrency stress of the engine on the stub (review "concur"): client threads
 submit a random mix of requests (streamed or not, ``n`` of 1 to 3, stop strings, grammars and
 JSON schemas, LoRA sets, speculation on or off: n-grams, or a draft model priced by its own
-timed passes, ``DraftCost``) while a chaos thread cancels some, evicts
-slots and cache rows, runs the cache's gc, detaches and re-attaches an adapter and unloads and
-reloads the model; some requests cancel themselves inside their restore or between prefill
-chunks. After each episode:
+timed passes, ``DraftCost``; some episodes priced as a CPU whose matrix kernel takes rows 4
+at a time, so verify passes take filler rows: ``Cost.pad``) while a chaos thread cancels
+some, evicts slots and cache rows, runs the cache's gc, detaches and re-attaches an adapter
+and unloads and reloads the model; some requests cancel themselves inside their restore or
+between prefill chunks. After each episode:
 
 - every request ended (each wait bounded: a hang fails, never blocks the suite);
 - each reply is the reply the same request gets alone on a fresh engine (a cancelled one: a
@@ -37,6 +38,7 @@ from kvwarm.engine.request import Request
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.engine.worker.tick import Tick
 from kvwarm.errors import (
@@ -116,9 +118,11 @@ def random_spec(
     n_adapters: int,
     max_tokens: int = 24,
     spec_types: tuple[str | None, ...] = (),
+    draft_caps: bool = False,
 ) -> Spec:
     """``spec_types``: the speculation a request picks from (None: the model's); none given,
-    half decode plainly and half as the model speculates."""
+    half decode plainly and half as the model speculates. ``draft_caps``: half the requests
+    cap their drafts at 1 to 7 tokens (``spec_draft_max``), so drafts end between tiles."""
     words = [rng.choice(WORDS) for _ in range(rng.randint(2, 24))]
     marker = rng.random()
     if marker < 0.08:
@@ -138,6 +142,8 @@ def random_spec(
         opts = replace(opts, spec_type=rng.choice(spec_types))
     elif rng.random() < 0.5:
         opts = replace(opts, spec_type="none")
+    if draft_caps and rng.random() < 0.5:
+        opts = replace(opts, spec_draft_max=rng.randint(1, 7))
     adapters: tuple[tuple[int, float], ...] | None = None
     pick = rng.random() if n_adapters else 1.0
     if pick < 0.2:
@@ -346,12 +352,17 @@ def episode(
     max_tokens: int = 24,
     reloads: int = 1,
     spec_types: tuple[str | None, ...] = (),
+    draft_caps: bool = False,
+    then: Callable[[Model], None] | None = None,
 ) -> None:
     """``config``: the model (None: the speculating stub); the reference runs it alone.
-    ``spec_types``: as ``random_spec``'s."""
+    ``spec_types``, ``draft_caps``: as ``random_spec``'s. ``then``: run on the model once the
+    chaos is over, before the checks of its state."""
     rng = random.Random(seed)
     config = config or engine_config(StubBackend(copy_bias=8.0))
-    specs = [random_spec(rng, len(files), max_tokens, spec_types) for _ in range(n_requests)]
+    specs = [
+        random_spec(rng, len(files), max_tokens, spec_types, draft_caps) for _ in range(n_requests)
+    ]
     with make_engine() as ref_engine:
         ref = Loaded(ref_engine, config, files)
         model, handles = ref.current()
@@ -398,6 +409,8 @@ def episode(
         # The model still answers as it does alone.
         for spec, want in list(zip(specs, expected, strict=True))[:3]:
             assert run_alone(model, handles, spec) == want
+        if then is not None:
+            then(model)
         status = model.status()
         assert (status.active, status.queued) == (0, 0), status
         worker = model._worker  # its slots read on its own thread, between its rounds
@@ -468,6 +481,95 @@ def test_random_concurrent_mix_with_a_draft_model_keeps_every_reply_and_the_engi
         adapter_files,
         config=drafting_config(),
         spec_types=DRAFT_SPEC_TYPES,
+    )
+
+
+@pytest.fixture
+def tiled_passes(cancel_hooks: None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Passes priced as on a CPU whose matrix kernel takes rows 4 at a time, a row costing far
+    less than the sweep of the weights the rows past a multiple pay: a verify pass whose rows
+    end between tiles takes filler rows (``Cost.pad``, ``Tick._pad``). The list it gives
+    gets each such pass's filler rows, as the worker verifies it (``Sampling.on_verify``)."""
+    tiled = Cost(0.0, 0.05, tile=4, step=1.0)
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: tiled))
+    filled: list[int] = []
+    on_verify = Sampling.on_verify
+
+    def verified(
+        sampling: Sampling, slot: Slot, first: int, draft: list[int], pad: int = 0
+    ) -> None:
+        if pad:
+            filled.append(pad)
+        on_verify(sampling, slot, first, draft, pad)
+
+    monkeypatch.setattr(Sampling, "on_verify", verified)
+    return filled
+
+
+def tiled_config(seed: int) -> ModelConfig:
+    """The speculating stub, its memory by seed: full attention; a 96-token sliding window,
+    inside which alone it drafts, a draft and its filler rows stopping at its edge
+    (``MemoryKind.lookahead``); or a full-size one in ubatches of 8, where a verify pass and
+    its filler rows stay within one ubatch (``Tick._splits_verify``)."""
+    kind = seed % 3
+    if kind == 0:
+        return engine_config(StubBackend(copy_bias=8.0))
+    config = engine_config(StubBackend(copy_bias=8.0, memory_kind="swa", n_swa=96))
+    if kind == 1:
+        return config
+    return replace(config, context=replace(config.context, swa_full=True, n_ubatch=8))
+
+
+def fills(filled: list[int]) -> Callable[[Model], None]:
+    """A check for ``episode``'s ``then``: a copy whose drafts are capped at 5 tokens (6 rows,
+    2 filler rows a pass) takes filler rows, and its reply is plain decoding's. Whether the
+    chaos's own requests took any depends on how the threads met (112 of 120 episodes did)."""
+
+    def check(model: Model) -> None:
+        prompt = "Copy: the cat sat on the mat. the cat sat on the mat. the cat"
+        opts = GenerationOptions(max_tokens=30, temperature=0.0, spec_draft_max=5)
+        plain = model.complete(prompt, replace(opts, spec_type="none"), cache_salt="plain")
+        before = len(filled)
+        spec = model.complete(prompt, replace(opts, spec_type="ngram-simple"), cache_salt="fill")
+        assert spec.completion_tokens == plain.completion_tokens
+        assert spec.stats.accepted_tokens > 0 and len(filled) > before, filled
+
+    return check
+
+
+@pytest.mark.parametrize("seed", stress_seeds(6))
+def test_random_concurrent_mix_with_filled_verify_passes_keeps_every_reply_and_the_engine(
+    seed: int, tmp_path: Path, adapter_files: list[Path], tiled_passes: list[int]
+) -> None:
+    """The same chaos where verify passes are filled to a whole tile with filler rows (half
+    the requests capping their drafts, so drafts end between tiles), over each memory kind
+    that speculates: the filler's cells go with the rejected drafts', whatever the
+    cancellations, evictions, reloads and neighbours, and every reply is its request's
+    alone."""
+    episode(
+        seed,
+        tmp_path / f"s{seed}",
+        adapter_files,
+        config=tiled_config(seed),
+        draft_caps=True,
+        then=fills(tiled_passes),
+    )
+
+
+@pytest.mark.parametrize("seed", stress_seeds(2))
+def test_random_concurrent_mix_with_a_draft_model_and_filled_verify_passes(
+    seed: int, tmp_path: Path, adapter_files: list[Path], tiled_passes: list[int]
+) -> None:
+    """Filled verify passes where a draft model drafts (its drafted token priced with its own
+    pass, a filler row as a verify row: ``DraftCost.total``)."""
+    episode(
+        seed,
+        tmp_path / f"s{seed}",
+        adapter_files,
+        config=drafting_config(),
+        spec_types=DRAFT_SPEC_TYPES,
+        draft_caps=True,
+        then=fills(tiled_passes),
     )
 
 

@@ -255,6 +255,45 @@ def test_filler_rows_pad_a_pass_to_a_whole_tile_and_leave_no_cell(
     assert 8 in verify and all(rows <= 4 or rows == 8 for rows in verify), verify
 
 
+@pytest.mark.parametrize("edge", ["window end", "sliding window"])
+def test_filler_rows_stay_within_their_drafts_reach(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, edge: str
+) -> None:
+    """A copy drafted up to the last position its pass may reach: the slot's window's end
+    (n_ctx 230), or a sliding window's (240), past which a rejected draft could not be rolled
+    back (``MemoryKind.lookahead``). Its last verify pass ends between tiles, and the filler
+    rows that would make it whole lie past that edge, so it takes none (``Active.pad_room``):
+    taken, they were a position past the window (``ContextOverflowError``), or cost the
+    window cells its next token attends to (the rollback's ``StateRestoreError``)."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=1.0)))
+    if edge == "window end":
+        cfg = spec_config()
+        cfg = replace(cfg, context=replace(cfg.context, n_ctx=230))
+        last, opts = 229, replace(GREEDY, max_tokens=500)
+    else:
+        cfg = spec_config(backend=copier(memory_kind="swa", n_swa=240))
+        last, opts = 239, replace(GREEDY, max_tokens=120)
+    model = engine.load_model(config=cfg)
+    ctx = model._worker.rt.ctx
+    decode = ctx.decode
+    verified: list[tuple[int, int]] = []  # each verify pass's rows and its last position
+
+    def watched(batch: list[BatchToken]) -> None:
+        rows = [t for t in batch if t.logits]
+        if len(rows) > 1:
+            verified.append((len(rows), rows[-1].pos))
+        decode(batch)
+
+    monkeypatch.setattr(ctx, "decode", watched)
+    plain, spec = both(model, PROMPT, opts)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.finish_reason == plain.stats.finish_reason
+    edge_rows = [rows for rows, top in verified if top == last]
+    # The passes that reached the edge end between tiles (they took no filler), none past it.
+    assert edge_rows and all(rows % 4 for rows in edge_rows), verified
+    assert max(top for _, top in verified) == last
+
+
 def test_no_filler_where_a_row_costs_more_than_the_step(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

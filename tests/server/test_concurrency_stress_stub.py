@@ -1,7 +1,8 @@
 """A seeded concurrency stress of the HTTP server on the stub (review "concur"): client threads
 send a random mix of completions, chats and Anthropic messages (consecutive same-role turns
 merged) over real connections to a live server (streamed or not, ``n`` of 1 to 3, stop
-strings, grammars and JSON schemas, speculation on or off), some
+strings, grammars and JSON schemas, speculation on or off; some episodes priced as a CPU whose
+matrix kernel takes rows 4 at a time, so verify passes take filler rows: ``Cost.pad``), some
 leaving mid-stream, under a memory budget with room for one model of two (each request for
 the other unloads it), while an admin thread evicts and collects the cache and unloads and
 loads models. After each episode:
@@ -30,6 +31,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.engine.worker.sampling import Sampling
+from kvwarm.engine.worker.slots import Slot
 from kvwarm.server import create_app
 from kvwarm.settings import Settings
 
@@ -68,7 +71,9 @@ class Outcome:
     error: str = ""
 
 
-def random_spec(rng: random.Random) -> Spec:
+def random_spec(rng: random.Random, draft_caps: bool = False) -> Spec:
+    """``draft_caps``: half the requests cap their drafts at 1 to 7 tokens
+    (``speculative.n_max``), so drafts end between tiles."""
     model = rng.choice(MODELS)
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30)))
     body: dict[str, Any] = {
@@ -79,6 +84,8 @@ def random_spec(rng: random.Random) -> Spec:
     }
     kind = rng.random()
     api = rng.random()
+    if draft_caps and rng.random() < 0.5:
+        body["speculative.n_max"] = rng.randint(1, 7)
     if api < 0.15:
         return messages_spec(rng, body, words, kind)
     chat = api < 0.4
@@ -252,13 +259,22 @@ def admin(rng: random.Random, base_url: str, stop: threading.Event, errors: list
             stop.wait(0.005)  # pacing only
 
 
-def episode(seed: int, tmp: Path, n_requests: int = 30) -> None:
+def episode(
+    seed: int,
+    tmp: Path,
+    n_requests: int = 30,
+    *,
+    draft_caps: bool = False,
+    then: Callable[[httpx.Client], None] | None = None,
+) -> None:
+    """``draft_caps``: as ``random_spec``'s. ``then``: run against the server once the chaos
+    is over, before the checks of its models' state."""
     rng = random.Random(seed)
     models_dir = tmp / "models"
     models_dir.mkdir(parents=True)
     for name in MODELS:
         (models_dir / f"{name}.gguf").write_bytes(b"GGUF stub weights " + name.encode())
-    specs = [random_spec(rng) for _ in range(n_requests)]
+    specs = [random_spec(rng, draft_caps) for _ in range(n_requests)]
 
     with TestClient(create_app(settings_for(models_dir, None, 0))) as ref:
         wait_ready(ref.get)
@@ -302,6 +318,8 @@ def episode(seed: int, tmp: Path, n_requests: int = 30) -> None:
                     assert out.reasons[j] == want.reasons[j], f"{where}: {out} vs {want}"
 
         with httpx.Client(base_url=server.base_url, timeout=WAIT_S) as http:
+            if then is not None:
+                then(http)
             app: Any = server.server.config.app
             state = app.state.kvwarm
             for entry in list(state.registry.entries.values()):
@@ -341,3 +359,50 @@ def test_random_concurrent_http_mix_keeps_every_reply_and_the_server_consistent(
     seed: int, tmp_path: Path
 ) -> None:
     episode(seed, tmp_path)
+
+
+def fills(filled: list[int]) -> Callable[[httpx.Client], None]:
+    """A check for ``episode``'s ``then``: a copy whose drafts are capped at 5 tokens (6 rows,
+    2 filler rows a pass) takes filler rows, and its reply is plain decoding's. Whether the
+    chaos's own requests took any depends on how the threads met (38 and 39 of 40 did)."""
+
+    def check(http: httpx.Client) -> None:
+        body = {
+            "model": MODELS[0],
+            "prompt": "Copy: the cat sat on the mat. the cat sat on the mat. the cat",
+            "temperature": 0,
+            "max_tokens": 30,
+            "speculative.n_max": 5,
+        }
+        spec = Spec("/v1/completions", body, None)
+        plain = collect(http, spec, alone=True)
+        before = len(filled)
+        drafted = collect(http, spec)
+        assert (drafted.status, plain.status) == (200, 200), (drafted, plain)
+        assert drafted.texts == plain.texts
+        assert len(filled) > before, filled
+
+    return check
+
+
+@pytest.mark.parametrize("seed", stress_seeds(4))
+def test_random_concurrent_http_mix_with_filled_verify_passes_keeps_every_reply(
+    seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same mix where verify passes are filled to a whole tile with filler rows (half the
+    requests capping their drafts, so drafts end between tiles): every reply is still its
+    request's alone, and the models' KV cells all go once evicted."""
+    tiled = Cost(0.0, 0.05, tile=4, step=1.0)
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: tiled))
+    filled: list[int] = []
+    on_verify = Sampling.on_verify
+
+    def verified(
+        sampling: Sampling, slot: Slot, first: int, draft: list[int], pad: int = 0
+    ) -> None:
+        if pad:
+            filled.append(pad)
+        on_verify(sampling, slot, first, draft, pad)
+
+    monkeypatch.setattr(Sampling, "on_verify", verified)
+    episode(seed, tmp_path, draft_caps=True, then=fills(filled))
