@@ -1,6 +1,7 @@
 """Records llama-server's ``/v1/embeddings`` vectors for the embedded SmolLM2 into the fixture
-``tests/engine/embedding_reference.json``, which ``tests/engine/test_embedding_reference.py``
-holds kvwarm's to where no llama-server is at hand (CI).
+``tests/engine/embedding_reference.<vector set>.json`` (this machine's:
+``tests/references.py``), which ``tests/engine/test_embedding_reference.py`` holds kvwarm's to
+where no llama-server is at hand (CI).
 
     python bench/embedding_reference.py            # rewrite the fixture
     python bench/embedding_reference.py --check    # compare, rewrite nothing
@@ -25,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from tests import references  # noqa: E402
+
 from kvwarm.embedded import default_model_path  # noqa: E402
 from multiturn import free_port, post, wait_ready  # noqa: E402
 from peer import llama_server  # noqa: E402
@@ -80,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fresh = record()
     if args.check:
-        old = json.loads(FIXTURE.read_text())
+        old = json.loads(references.fixture(FIXTURE).read_text())
         pairs = zip(fresh["vectors"], old["vectors"], strict=True)  # type: ignore[call-overload]
         worst = max(abs(a - b) for new, then in pairs for a, b in zip(new, then, strict=True))
         print(f"largest difference from the fixture: {worst:.3g}")
         return 0 if worst <= 1e-6 else 1
-    FIXTURE.write_text(json.dumps(fresh) + "\n")
-    print(f"wrote {FIXTURE.relative_to(ROOT)}")
+    mine = references.fixture(FIXTURE)  # this machine's vector set's file
+    mine.write_text(json.dumps(fresh) + "\n")
+    print(f"wrote {mine.relative_to(ROOT)}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Records llama-server's rerank scores on the tests' tiny rerankers into the fixture
-``tests/engine/rerank_reference.json``, which ``tests/engine/test_rerank_model.py`` holds
-kvwarm's scores to (1e-5, order included) where no llama-server is at hand (CI).
+``tests/engine/rerank_reference.<vector set>.json`` (this machine's: ``tests/references.py``),
+which ``tests/engine/test_rerank_model.py`` holds kvwarm's scores to (5e-5, order included)
+where no llama-server is at hand (CI).
 
     python bench/rerank_reference.py            # rewrite the fixture
     python bench/rerank_reference.py --check    # compare, rewrite nothing
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from tests import references  # noqa: E402
 from tests.tinymodels import write_reranker  # noqa: E402
 
 from multiturn import free_port, post, wait_ready  # noqa: E402
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fresh = record()
     if args.check:
-        old = json.loads(FIXTURE.read_text())
+        old = json.loads(references.fixture(FIXTURE).read_text())
         worst = 0.0
         for kind, model in fresh["models"].items():  # type: ignore[attr-defined]
             then = old["models"][kind]
@@ -103,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, *(abs(a - b) for a, b in pairs))
         print(f"largest difference from the fixture: {worst:.3g}")
         return 0 if worst <= 1e-5 else 1
-    FIXTURE.write_text(json.dumps(fresh, indent=2, ensure_ascii=False) + "\n")
-    print(f"wrote {FIXTURE.relative_to(ROOT)}")
+    mine = references.fixture(FIXTURE)  # this machine's vector set's file
+    mine.write_text(json.dumps(fresh, indent=2, ensure_ascii=False) + "\n")
+    print(f"wrote {mine.relative_to(ROOT)}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """The reference for images in prompts: llama-server (built from the same pinned llama.cpp by
 ``bench/peer.py``) with ``--mmproj``, on the tiny projector ``tests/tinymodels.py`` writes,
 answers a chat about a picture; kvwarm must answer it the same, greedily
-(``tests/engine/test_media_model.py``). CI has no llama-server, so its replies are recorded
-once into ``tests/fixtures/media_reference.json`` with the sha-256 of every input file:
+(``tests/engine/test_media_model.py``). CI has no llama-server, so its replies are recorded once
+into ``tests/fixtures/media_reference.<vector set>.json`` (``tests/references.py``) with the
+sha-256 of every input file:
 
     python tests/media_reference.py        # rewrites the fixture (needs llama-server, Gemma)
 
@@ -23,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from tests import references
 
 ROOT = Path(__file__).parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "media_reference.json"
@@ -215,5 +217,5 @@ def _record_audio(tmp: Path, write: object) -> dict[str, object]:
 
 if __name__ == "__main__":
     result = record()
-    FIXTURE.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    references.fixture(FIXTURE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(json.dumps(result, indent=2))

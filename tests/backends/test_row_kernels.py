@@ -310,6 +310,24 @@ def test_tinyblas_columns_follow_the_build(info: bytes, columns: int) -> None:
     assert native._columns_of(info) == columns
 
 
+@pytest.mark.parametrize(
+    ("info", "vectors"),
+    [
+        (b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | ", "avx512"),
+        (b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | REPACK = 1 | ", "avx2"),
+        (b"CPU : SSE3 = 1 | AVX = 1 | ", "avx"),
+        (b"CPU : AVX = 0 | AVX2 = 1 | AVX512_VNNI = 1 | ", "avx2"),
+        (b"CPU : NEON = 1 | ARM_FMA = 1 | ", "none"),
+    ],
+)
+def test_the_builds_vector_set_names_its_references(info: bytes, vectors: str) -> None:
+    """The widest x86 vector set the CPU backend was built for: the tests' llama-server
+    references are recorded per set (``tests/references.py``), whose sums differ."""
+    from kvwarm.backends.llama import native
+
+    assert native._vector_set_of(info) == vectors
+
+
 def test_the_embedded_models_tinyblas_share_is_its_tied_q8_0_output() -> None:
     """SmolLM2-135M: Q4_1 layers (vec_dot) and a tied Q8_0 output (tinyBLAS), 30 of 96 MB;
     loaded, its facts say how a pass's rows are tiled where its weights run on the CPU."""

@@ -1,19 +1,18 @@
-"""kvwarm's embeddings of the embedded SmolLM2 against llama-server's (the reference peer,
-built from the same pinned llama.cpp): ``bench/embedding_reference.py`` records its
-``/v1/embeddings`` vectors (``--pooling mean -np 1 -fa off``) into
-``embedding_reference.json``, as CI has no llama-server. kvwarm pools SmolLM2 by mean (its
-GGUF declares no pooling) and runs flash attention off on the CPU, so its vectors are
-llama-server's to float32 rounding, and the usage counts the same tokens.
-"""
+"""kvwarm's embeddings of the embedded SmolLM2 against llama-server's (the reference peer, built
+from the same pinned llama.cpp): ``bench/embedding_reference.py`` records its ``/v1/embeddings``
+vectors (``--pooling mean -np 1 -fa off``) into ``embedding_reference.<vector set>.json``
+(``tests/references.py``), as CI has no llama-server. kvwarm pools SmolLM2 by mean (its GGUF
+declares no pooling) and runs flash attention off on the CPU, so its vectors are llama-server's
+to float32 rounding, and the usage counts the same tokens."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tests import references
 
 from kvwarm.backends.base import ContextParams
 from kvwarm.embedded import default_model_path
@@ -23,7 +22,7 @@ from .conftest import make_engine
 
 pytestmark = pytest.mark.model
 
-REFERENCE = json.loads((Path(__file__).parent / "embedding_reference.json").read_text())
+REFERENCE = references.load(Path(__file__).parent / "embedding_reference.json")
 
 
 def test_vectors_are_llama_servers() -> None:

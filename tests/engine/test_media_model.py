@@ -1,12 +1,12 @@
-"""Images in prompts on llama.cpp: SmolLM2 and Gemma 3 270M with the tiny random-weight
-projector ``tests/tinymodels.py`` writes. The output means nothing; the mechanics do: kvwarm's
-greedy reply equals llama-server ``--mmproj``'s on the same files (recorded in
-``tests/fixtures/media_reference.json`` by ``tests/media_reference.py``), and an image's KV is
-shared, restored after a restart and bit-identical to a cold run's in deterministic mode."""
+"""Images in prompts on llama.cpp: SmolLM2 and Gemma 3 270M with the tiny random-weight projector
+``tests/tinymodels.py`` writes. The output means nothing; the mechanics do: kvwarm's greedy
+reply equals llama-server ``--mmproj``'s on the same files (recorded in
+``tests/fixtures/media_reference.<vector set>.json`` by ``tests/media_reference.py``), and an
+image's KV is shared, restored after a restart and bit-identical to a cold run's in
+deterministic mode."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests import media_reference as ref
+from tests import references
 from tests.engine.conftest import make_engine
 from tests.engine.mediakit import poke
 from tests.tinymodels import PROJ_TOKENS, write_tiny_audio_projector, write_tiny_projector
@@ -27,7 +28,7 @@ from kvwarm.media import Audio
 
 pytestmark = pytest.mark.model
 
-FIXTURE = json.loads(ref.FIXTURE.read_text())
+FIXTURE = references.load(ref.FIXTURE)
 GREEDY = GenerationOptions(max_tokens=ref.MAX_TOKENS, temperature=0.0)
 
 

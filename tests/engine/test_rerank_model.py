@@ -4,20 +4,21 @@ head: p("yes")) and a ``bert`` cross-encoder (attention not causal, no KV cache)
 
 The reference is llama-server built from the same llama.cpp, run with ``--rerank`` on the same
 files: its scores are recorded in ``rerank_reference.json`` by ``bench/rerank_reference.py``
-(no llama-server in CI), and kvwarm's must equal them to 1e-5, order included, while it
-batches the documents in parallel sequences and, on the decoder, shares the prompt before the
-document between them (llama.cpp's numbers move by ~1e-6 with what shares a forward pass; a
-document scored alone, as the fixture's are, is bit-identical to llama-server's).
+(no llama-server in CI; one file per vector set, ``tests/references.py``), and kvwarm's must
+equal them to 5e-5, order included, while it batches the documents in parallel sequences and,
+on the decoder, shares the prompt before the document between them (llama.cpp's numbers move
+with what shares a forward pass: ~1e-6 on AVX-512, up to 2e-5 on AVX2; a document scored
+alone, as the fixture's are, is bit-identical to llama-server's).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests import references
 from tests.childkit import run_child
 from tests.tinymodels import QWEN3_RERANK_TEMPLATE, write_reranker
 
@@ -30,10 +31,12 @@ from .conftest import make_engine
 
 pytestmark = pytest.mark.model
 
-REFERENCE = json.loads((Path(__file__).parent / "rerank_reference.json").read_text())
+REFERENCE = references.load(Path(__file__).parent / "rerank_reference.json")
 QUERY: str = REFERENCE["query"]
 DOCS: list[str] = REFERENCE["documents"]
-TOLERANCE = 1e-5
+#: What sharing a forward pass moves a score by: ~1e-6 on AVX-512, up to 2e-5 on AVX2 (the
+#: encoder's batched documents, measured 2026-11-30).
+TOLERANCE = 5e-5
 
 
 def written(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -263,14 +263,36 @@ def tinyblas_columns() -> int:
 _TINYBLAS_COLUMNS: int | None = None
 
 
-def _columns_of(info: bytes) -> int:
-    """``tinyblas_columns`` from ``llama_print_system_info``'s text ("CPU : AVX2 = 1 | ...")."""
-    flags = {
+def vector_kernels() -> str:
+    """The widest x86 vector set this build's CPU backend was compiled for: "avx512",
+    "avx2", "avx", or else "none" (read from ``llama_print_system_info``). Float sums come
+    out otherwise from one to the next (a Q4_1 dot product's blocks add in other orders),
+    so an output recorded on one (the tests' llama-server references) is another's only
+    to rounding."""
+    return _vector_set_of(lib().llama_print_system_info())
+
+
+def _vector_set_of(info: bytes) -> str:
+    """``vector_kernels`` from ``llama_print_system_info``'s text."""
+    flags = _flags_of(info)
+    return next(
+        (name.lower() for name in ("AVX512", "AVX2", "AVX") if flags.get(name) == "1"), "none"
+    )
+
+
+def _flags_of(info: bytes) -> dict[str, str]:
+    """``llama_print_system_info``'s text ("CPU : AVX2 = 1 | ...") as its flags' values."""
+    return {
         name.strip(): value.strip()
         for part in info.decode("ascii", errors="replace").replace("CPU :", "|").split("|")
         if "=" in part
         for name, value in [part.split("=", 1)]
     }
+
+
+def _columns_of(info: bytes) -> int:
+    """``tinyblas_columns`` from ``llama_print_system_info``'s text ("CPU : AVX2 = 1 | ...")."""
+    flags = _flags_of(info)
     if flags.get("LLAMAFILE") != "1":
         return 1
     if flags.get("AVX512") == "1":
