@@ -176,6 +176,32 @@ def free_draft_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DraftCost, "per_token", lambda self, plain: 0.0)
 
 
+@pytest.fixture
+def tiled_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Passes priced as on a CPU whose matrix kernel takes rows 4 at a time, a row costing far
+    less than the sweep of the weights the rows past a multiple pay: a verify pass whose rows
+    end between tiles takes filler rows (``Cost.pad``, ``Tick._pad``). The list it gives
+    gets each such pass's filler rows, as the worker verifies it (``Sampling.on_verify``)."""
+    from kvwarm.engine.worker.drafts import Cost, PassCost
+    from kvwarm.engine.worker.sampling import Sampling
+    from kvwarm.engine.worker.slots import Slot
+
+    tiled = Cost(0.0, 0.05, tile=4, step=1.0)
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: tiled))
+    filled: list[int] = []
+    on_verify = Sampling.on_verify
+
+    def verified(
+        sampling: Sampling, slot: Slot, first: int, draft: list[int], pad: int = 0
+    ) -> None:
+        if pad:
+            filled.append(pad)
+        on_verify(sampling, slot, first, draft, pad)
+
+    monkeypatch.setattr(Sampling, "on_verify", verified)
+    return filled
+
+
 @pytest.fixture(autouse=True)
 def _process_limits_kept() -> Generator[None, None, None]:
     """A test that bounds this process's address space (a danger case run in process) must

@@ -38,7 +38,6 @@ from kvwarm.engine.request import Request
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.engine.worker.drafts import Cost, PassCost
-from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.engine.worker.tick import Tick
 from kvwarm.errors import (
@@ -484,28 +483,6 @@ def test_random_concurrent_mix_with_a_draft_model_keeps_every_reply_and_the_engi
     )
 
 
-@pytest.fixture
-def tiled_passes(cancel_hooks: None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Passes priced as on a CPU whose matrix kernel takes rows 4 at a time, a row costing far
-    less than the sweep of the weights the rows past a multiple pay: a verify pass whose rows
-    end between tiles takes filler rows (``Cost.pad``, ``Tick._pad``). The list it gives
-    gets each such pass's filler rows, as the worker verifies it (``Sampling.on_verify``)."""
-    tiled = Cost(0.0, 0.05, tile=4, step=1.0)
-    monkeypatch.setattr(PassCost, "cost", property(lambda self: tiled))
-    filled: list[int] = []
-    on_verify = Sampling.on_verify
-
-    def verified(
-        sampling: Sampling, slot: Slot, first: int, draft: list[int], pad: int = 0
-    ) -> None:
-        if pad:
-            filled.append(pad)
-        on_verify(sampling, slot, first, draft, pad)
-
-    monkeypatch.setattr(Sampling, "on_verify", verified)
-    return filled
-
-
 def tiled_config(seed: int) -> ModelConfig:
     """The speculating stub, its memory by seed: full attention; a 96-token sliding window,
     inside which alone it drafts, a draft and its filler rows stopping at its edge
@@ -539,7 +516,11 @@ def fills(filled: list[int]) -> Callable[[Model], None]:
 
 @pytest.mark.parametrize("seed", stress_seeds(6))
 def test_random_concurrent_mix_with_filled_verify_passes_keeps_every_reply_and_the_engine(
-    seed: int, tmp_path: Path, adapter_files: list[Path], tiled_passes: list[int]
+    seed: int,
+    tmp_path: Path,
+    adapter_files: list[Path],
+    cancel_hooks: None,
+    tiled_passes: list[int],
 ) -> None:
     """The same chaos where verify passes are filled to a whole tile with filler rows (half
     the requests capping their drafts, so drafts end between tiles), over each memory kind
@@ -558,7 +539,11 @@ def test_random_concurrent_mix_with_filled_verify_passes_keeps_every_reply_and_t
 
 @pytest.mark.parametrize("seed", stress_seeds(2))
 def test_random_concurrent_mix_with_a_draft_model_and_filled_verify_passes(
-    seed: int, tmp_path: Path, adapter_files: list[Path], tiled_passes: list[int]
+    seed: int,
+    tmp_path: Path,
+    adapter_files: list[Path],
+    cancel_hooks: None,
+    tiled_passes: list[int],
 ) -> None:
     """Filled verify passes where a draft model drafts (its drafted token priced with its own
     pass, a filler row as a verify row: ``DraftCost.total``)."""

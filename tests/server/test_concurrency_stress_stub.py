@@ -31,8 +31,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.engine.worker.drafts import Cost, PassCost
-from kvwarm.engine.worker.sampling import Sampling
-from kvwarm.engine.worker.slots import Slot
 from kvwarm.server import create_app
 from kvwarm.settings import Settings
 
@@ -387,22 +385,9 @@ def fills(filled: list[int]) -> Callable[[httpx.Client], None]:
 
 @pytest.mark.parametrize("seed", stress_seeds(4))
 def test_random_concurrent_http_mix_with_filled_verify_passes_keeps_every_reply(
-    seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    seed: int, tmp_path: Path, tiled_passes: list[int]
 ) -> None:
     """The same mix where verify passes are filled to a whole tile with filler rows (half the
     requests capping their drafts, so drafts end between tiles): every reply is still its
     request's alone, and the models' KV cells all go once evicted."""
-    tiled = Cost(0.0, 0.05, tile=4, step=1.0)
-    monkeypatch.setattr(PassCost, "cost", property(lambda self: tiled))
-    filled: list[int] = []
-    on_verify = Sampling.on_verify
-
-    def verified(
-        sampling: Sampling, slot: Slot, first: int, draft: list[int], pad: int = 0
-    ) -> None:
-        if pad:
-            filled.append(pad)
-        on_verify(sampling, slot, first, draft, pad)
-
-    monkeypatch.setattr(Sampling, "on_verify", verified)
-    episode(seed, tmp_path, draft_caps=True, then=fills(filled))
+    episode(seed, tmp_path, draft_caps=True, then=fills(tiled_passes))
