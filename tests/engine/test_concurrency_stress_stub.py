@@ -277,11 +277,15 @@ def fd_targets() -> dict[str, str]:
 
 
 def assert_no_fd_leaked(before: dict[str, str]) -> None:
-    """No more descriptors open than ``before``; where there are, the message names the new
-    ones (a full run once saw one more, under heavy load, with no way to tell what it was)."""
-    now = fd_targets()
-    new = sorted(f"{fd}: {what}" for fd, what in now.items() if before.get(fd) != what)
-    assert len(now) <= len(before), f"file descriptors leaked: {len(before)} -> {len(now)}: {new}"
+    """No more descriptors open than ``before``, sockets aside; where there are, the message
+    names the new ones. An episode opens no socket (its tiers are ram and disk, its backend
+    the stub): the one more that full runs saw now and then (187 -> 188, ``socket:[inode]``,
+    three times in 2026-11's full runs, never alone) is an earlier test's background thread's
+    (a client pool of the S3 or Redis tiers' tests), opened while the episode ran."""
+    now = {fd: what for fd, what in fd_targets().items() if not what.startswith("socket:")}
+    then = {fd: what for fd, what in before.items() if not what.startswith("socket:")}
+    new = sorted(f"{fd}: {what}" for fd, what in now.items() if then.get(fd) != what)
+    assert len(now) <= len(then), f"file descriptors leaked: {len(then)} -> {len(now)}: {new}"
 
 
 def engine_config(backend: StubBackend) -> ModelConfig:
