@@ -112,6 +112,42 @@ def test_filler_rows_keep_greedy_and_seeded_replies_plain_decodings(
         before = after
 
 
+def test_a_speculating_model_makes_room_for_its_longest_verify_pass_as_it_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp grows its logits buffer when a pass wants more rows than any before (a new
+    allocation whose pages fault in as the logits land: a first 48-row pass of Gemma 3 took
+    324 ms against 288-292 after): a speculating model runs one pass of its longest verify
+    pass's rows as it loads (its pending token, ``spec_draft_max``, a tile's filler) and
+    leaves the context empty; a model that does not speculate runs none."""
+    from kvwarm.backends.llama.context import LlamaContext
+
+    passes: list[tuple[int, int]] = []
+    decode = LlamaContext._decode
+
+    def counted(self: LlamaContext, batch: list[BatchToken]) -> None:
+        passes.append((len(batch), sum(t.logits for t in batch)))
+        decode(self, batch)
+
+    monkeypatch.setattr(LlamaContext, "_decode", counted)
+    context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
+    with make_engine() as engine:
+        spec = engine.load_model(
+            config=ModelConfig(context=context, spec_type="ngram-simple", spec_draft_max=20)
+        )
+        rows = 20 + spec._worker.rt.pass_cost.tile
+        # The load's last pass (the exactness probe's, on a context of its own, come first).
+        assert passes[-1] == (rows, rows) and passes.count((rows, rows)) == 1
+        assert spec._worker.rt.ctx.seq_pos_max(0) == -1
+        opts = GenerationOptions(max_tokens=24, temperature=0.0)
+        reply = spec.chat(MESSAGES, options=opts)
+        plain = spec.chat(MESSAGES, options=opts, spec_type="none", cache_salt="reserve-plain")
+        assert reply.completion_tokens == plain.completion_tokens
+        passes.clear()
+        engine.load_model(model_id="plain", config=ModelConfig(context=context))
+        assert not any(n > 1 and wanted == n for n, wanted in passes), passes
+
+
 def test_seeded_reply_and_logprobs_are_plain_decodings(model: Model) -> None:
     opts = GenerationOptions(max_tokens=32, temperature=0.8, seed=11, logprobs=2)
     plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain-s")

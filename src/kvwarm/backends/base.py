@@ -527,6 +527,13 @@ class BackendContext(Protocol):
         """Drop every sequence's KV state."""
         ...
 
+    def reserve_outputs(self, rows: int) -> None:
+        """Make room now for a pass that wants logits at ``rows`` rows (at most n_batch),
+        so that the first such pass does not pay for it; empties the context (every
+        sequence's KV state goes). llama.cpp grows its logits buffer only when a pass needs
+        more rows than any before; a backend that holds no such buffer does nothing."""
+        ...
+
     def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:
         """Pooled embedding of ``tokens`` (context must have ``embeddings=True``)."""
         ...

@@ -344,6 +344,15 @@ class ContextFront(ABC, Generic[M, A]):
             if not self._stateless:
                 self._clear()
 
+    def reserve_outputs(self, rows: int) -> None:
+        with self._life.using():
+            if not self._stateless and self._causal:
+                self._reserve_outputs(min(rows, self._max_batch, self._n_ctx))
+
+    def _reserve_outputs(self, rows: int) -> None:
+        """``reserve_outputs`` (``rows`` within n_batch and n_ctx): nothing to do unless the
+        backend grows a buffer by a pass's rows."""
+
     # -- embeddings and adapters --------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:

@@ -531,6 +531,21 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _clear(self) -> None:
         self._lib.llama_memory_clear(self._mem, True)
 
+    def _reserve_outputs(self, rows: int) -> None:
+        # llama.cpp's ``output_reserve`` grows the logits buffer (n_vocab floats a row) only
+        # when a pass asks for more rows than any before: one pass of ``rows`` rows, its
+        # logits written (so its pages are in), then the context emptied, and checked so.
+        if rows <= 1:
+            return
+        try:
+            self._decode([BatchToken(0, pos, 0, True) for pos in range(rows)])
+        finally:
+            self._release_views()
+            self._rows = []
+            self._clear()
+        if self._pos_max(0) != -1:
+            raise StateRestoreError("the context kept cells after it was emptied")
+
     # -- embeddings and adapters --------------------------------------------------------------
 
     def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]:

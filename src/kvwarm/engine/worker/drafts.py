@@ -1353,6 +1353,11 @@ class PassCost:
         self._fitted_at: float | None = None  # None: refit at the next read
         self._plain_since = 0  # plain passes since the last verify pass
 
+    @property
+    def tile(self) -> int:
+        """The rows the CPU's matrix kernel takes at a time (1: no tile)."""
+        return self._tile
+
     def observe(self, slots: int, drafted: int, seconds: float) -> None:
         """A decode-only pass of ``slots`` slots' next tokens and ``drafted`` draft tokens
         took ``seconds``."""

@@ -111,6 +111,7 @@ class Worker:
         # A pass over the vocabulary (~0.3 s for Gemma's 262,144): paid while the model
         # loads, not by its first request (which, after a restart, is a cache hit).
         self.rt.learn_vocabulary()
+        self.rt.reserve_verify_rows()
         self.slots = slots
         self.stats = self.rt.stats
         self.port = CachePort(self.rt)

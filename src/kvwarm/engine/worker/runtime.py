@@ -9,6 +9,7 @@ the cache port and outcomes each hold the same ``Runtime`` and never a copy of a
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +25,10 @@ from kvwarm.engine.worker.drafts import CopyEnds, PassCost, RowDrafts, RowTrust,
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.errors import KvwarmError, StateRestoreError
 from kvwarm.memory import MemoryKind
+
+log = logging.getLogger(__name__)
 
 #: A request's own adapter set, as (handle, scale) pairs (``GenerationOptions.lora``).
 LoraChoice = tuple[tuple[int, float], ...]
@@ -230,3 +234,25 @@ class Runtime:
         self._eog = tuple(sorted(eog))
         if self.cfg.speculates and self.cfg.spec_type not in ("none", "draft-simple"):
             self.sentence_ends = SentenceEnds(pieces)
+
+    def reserve_verify_rows(self) -> None:
+        """Make room for the logits of a speculating model's longest verify pass (its
+        pending token, ``spec_draft_max`` drafted, a tile's filler: ``Cost.pad``) while the
+        model loads (``BackendContext.reserve_outputs``). llama.cpp grows its logits buffer
+        when a pass wants more rows than any before (a new allocation, its pages faulted in
+        as the logits land), so each verify pass longer than any before paid for it: Gemma 3
+        270M's 262,144 logits are 50 MB for 48 rows, and its first 48-row pass took 324 ms
+        against 288-292 for the next (traced in the server, 2026-11-30; the first request
+        grew it at 8, 16, 34 and 38 rows). A longer draft asked for per request still grows
+        it. Nothing is lost where the pass fails (the model serves, its first long passes slower),
+        but a context that keeps cells after it is emptied fails the load."""
+        cfg = self.cfg
+        if not cfg.speculates or cfg.spec_type == "none":
+            return
+        rows = cfg.spec_draft_max + self.pass_cost.tile
+        try:
+            self.ctx.reserve_outputs(rows)
+        except StateRestoreError:
+            raise  # cells left in the context: no slot may start on them
+        except KvwarmError as exc:
+            log.warning("%s: no room made for %d rows of logits: %s", self.name, rows, exc)
