@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -282,6 +283,23 @@ def test_a_draft_cut_short_by_its_room_drafts_all_of_it_with_filler() -> None:
         sure.verified(47, 47)
     assert [sure.length(limit, cost, prior=0.9995) for limit in (18, 19, 22)] == [18, 19, 22]
     assert cost.pad(23) == 1 and cost.pad(20) == 0
+
+
+def test_a_draft_at_the_edge_of_its_reach_is_priced_without_the_filler_it_cannot_take() -> None:
+    """``Cost.reach``: the filler follows the draft, so a draft that ends at the last position
+    its pass may reach (its window's end, its memory's lookahead, the batch's room) takes none
+    (``Tick._pad``) and pays the step: the budget prices it so, and the sure copy of 22 stops
+    at 19 (20 rows, a whole tile) where one more row of reach would have drafted all 22."""
+    cost = Cost(1.0, 0.26, tile=4, step=1.15)
+    sure = DraftBudget()
+    for _ in range(6):
+        sure.verified(47, 47)
+    assert sure.length(22, replace(cost, reach=23), prior=0.9995) == 22  # 23 rows, 1 filler
+    assert sure.length(22, replace(cost, reach=22), prior=0.9995) == 19
+    assert replace(cost, reach=22).draft(22) == cost.of(22)
+    assert replace(cost, reach=23).draft(22) == cost.draft(22) < cost.of(22)
+    assert replace(cost, reach=0).draft(4) == cost.of(4)  # beside a prompt's chunk: no filler
+    assert replace(cost, reach=0).draft(3) == cost.draft(3) == cost.of(3)  # a whole tile
 
 
 def test_draft_lengths_snap_to_the_tile_where_the_step_outweighs_a_rows_cost() -> None:

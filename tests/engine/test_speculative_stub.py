@@ -25,7 +25,7 @@ from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker.drafts import Cost, PassCost, Predicted
+from kvwarm.engine.worker.drafts import Cost, Drafter, PassCost, Predicted
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 from kvwarm.server.budget import memory_of
@@ -264,8 +264,10 @@ def test_filler_rows_stay_within_their_drafts_reach(
     back (``MemoryKind.lookahead``). Its last verify pass ends between tiles, and the filler
     rows that would make it whole lie past that edge, so it takes none (``Active.pad_room``):
     taken, they were a position past the window (``ContextOverflowError``), or cost the
-    window cells its next token attends to (the rollback's ``StateRestoreError``)."""
-    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=1.0)))
+    window cells its next token attends to (the rollback's ``StateRestoreError``). The step
+    is a fifth of a pass, so the draft goes to the edge rather than leave its last tokens to
+    a pass of their own (priced without the filler it cannot take: ``Cost.reach``)."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=0.2)))
     if edge == "window end":
         cfg = spec_config()
         cfg = replace(cfg, context=replace(cfg.context, n_ctx=230))
@@ -292,6 +294,33 @@ def test_filler_rows_stay_within_their_drafts_reach(
     # The passes that reached the edge end between tiles (they took no filler), none past it.
     assert edge_rows and all(rows % 4 for rows in edge_rows), verified
     assert max(top for _, top in verified) == last
+
+
+def test_a_draft_is_priced_with_only_the_filler_its_reach_holds(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Tick._propose`` prices each draft with the rows its pass may take past its first
+    (``Cost.reach``: its window's end here, n_ctx 230), so a draft that reaches that edge is
+    not priced with filler ``Tick._pad`` cannot add."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=1.0)))
+    cfg = spec_config()
+    model = engine.load_model(config=replace(cfg, context=replace(cfg.context, n_ctx=230)))
+    seen: list[tuple[int, int, int | None]] = []  # (tokens generated, limit, cost's reach)
+    propose = Drafter.propose
+
+    def spied(
+        self: Drafter, generated: Sequence[int], limit: int, cost: Cost, *, end: bool = False
+    ) -> list[int]:
+        seen.append((len(generated), limit, cost.reach))
+        return propose(self, generated, limit, cost, end=end)
+
+    monkeypatch.setattr(Drafter, "propose", spied)
+    plain, spec = both(model, PROMPT, replace(GREEDY, max_tokens=500))
+    assert spec.completion_tokens == plain.completion_tokens and spec.stats.accepted_tokens > 0
+    # The pending token (the last generated) at n = prompt + generated - 1: rows up to 229.
+    n_prompt = len(spec.prompt_tokens)
+    assert seen and all(reach == 229 - (n_prompt + g - 1) for g, _, reach in seen), seen
+    assert any(limit == reach for _, limit, reach in seen)
 
 
 def test_no_filler_where_a_row_costs_more_than_the_step(

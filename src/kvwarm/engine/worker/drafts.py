@@ -1258,6 +1258,11 @@ class Cost:
     #: model's drafted token costs its own pass besides its row (``DraftCost.total``); a
     #: filler row is drafted by nobody.
     row: float | None = None
+    #: How many rows past its first the pass of one draft may take, filler included, where
+    #: ``draft`` prices it (``Tick._propose``: its reach and the batch's room, 0 where a prompt
+    #: waits, its chunk then sharing the pass, which takes no filler); None: no bound. A draft
+    #: of ``k`` tokens whose filler would pass it pays the step: ``Tick._pad`` adds none.
+    reach: int | None = None
 
     def of(self, k: int) -> float:
         """What a pass of ``k + 1`` rows costs (its one token and a draft of ``k``)."""
@@ -1268,8 +1273,10 @@ class Cost:
 
     def draft(self, k: int) -> float:
         """What a draft of ``k`` tokens costs its pass, with the filler rows that pass then
-        takes where they cost less than the step (``pad``)."""
+        takes where they cost less than the step (``pad``) and lie within ``reach``."""
         pad = self.pad(k + 1)
+        if self.reach is not None and k + pad > self.reach:
+            pad = 0
         return self.of(k) - (self.step - self.per_row * pad if pad else 0.0)
 
     def split(self, rows: int) -> bool:

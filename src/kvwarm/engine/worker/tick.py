@@ -23,6 +23,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal, cast
 
 import numpy as np
@@ -176,7 +177,7 @@ class Tick:
                     act.drafter = self._drafter(act, slot.seq)
                 if act.drafter is None or room <= 0:
                     continue
-                drafted = self._propose(slot, act, room)
+                drafted = self._propose(slot, act, room, fill=not prefilling)
             except Exception as exc:
                 if isinstance(act.drafter, Drafter):
                     # An n-gram drafter's state is its request's alone and its drafts change
@@ -193,8 +194,10 @@ class Tick:
             total += drafted
         return total
 
-    def _propose(self, slot: Slot, act: Active, room: int) -> int:
-        """Give ``act`` (its drafter made) a draft within ``room`` tokens; how many it holds."""
+    def _propose(self, slot: Slot, act: Active, room: int, *, fill: bool = True) -> int:
+        """Give ``act`` (its drafter made) a draft within ``room`` tokens; how many it holds.
+        ``fill``: the pass may take filler rows (``Tick._pad``: not beside a waiting prompt's
+        chunk), so its draft is priced with those that fit its reach and the room."""
         rt = self.rt
         assert act.drafter is not None
         n = len(slot.kv_tokens)
@@ -213,7 +216,8 @@ class Tick:
         if limit <= 0:
             return 0
         # ``end``: the request stops right after these rows (its max_tokens, its window).
-        act.draft = act.drafter.propose(act.generated, limit, rt.pass_cost.cost, end=limit == end)
+        cost = replace(rt.pass_cost.cost, reach=min(reach, room) if fill else 0)
+        act.draft = act.drafter.propose(act.generated, limit, cost, end=limit == end)
         act.pad_room = max(0, reach - len(act.draft))
         return len(act.draft)
 
