@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import numpy as np
+
 from kvwarm.backends.base import ContextParams
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import CacheConfig, Namespace, PolicyConfig, TierConfig
@@ -364,6 +366,8 @@ class Outcome:
     case: Case
     mismatches: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Stages after whose plain run some slot's cells were out of position order.
+    disordered: set[int] = field(default_factory=set)
     drafted: int = 0
     accepted: int = 0
     plain_tokens: int = 0
@@ -460,6 +464,26 @@ def cells_check(model: Model) -> list[str]:
         return wrong
 
     return worker.call(check).result(60)
+
+
+def disordered(model: Model) -> list[int]:
+    """The slots whose cells are out of position order (on the worker thread): there
+    attention adds the cells in another order than a fresh context's, so their logits are no
+    fresh context's (docs/internals.md, "Cell order is numerics")."""
+    rt = model._worker.rt
+
+    def check() -> list[int]:
+        out = []
+        for slot in rt.slots:
+            if slot.kv_tokens:
+                blob = rt.ctx.kv_pack(slot.seq)
+                cells = struct.unpack_from("<IiII", blob, 0)[3]
+                meta = np.frombuffer(blob, dtype=np.int32, count=3 * cells, offset=16)
+                if np.any(np.diff(meta.reshape(cells, 3)[:, 0]) <= 0):
+                    out.append(slot.seq)
+        return out
+
+    return model._worker.call(check).result(60)
 
 
 def _rows(engine: Engine, model: Model, salt: str) -> dict[bytes, tuple[int, ...]]:
@@ -585,6 +609,8 @@ def _run(
         replies, error = _attempt(model, case, prompts[stage], opts)
         engine.cache.flush()
         out.mismatches += [f"stage {stage} after {mode}: {w}" for w in cells_check(model)]
+        if plain is None and disordered(model):
+            out.disordered.add(stage)
         if error is not None:
             return done, error
         done.append(replies)
@@ -610,7 +636,19 @@ def run_case(engine: Engine, model: Model, case: Case) -> Outcome:
         rng = random.Random(case.seed * 7919 + 1)
         spec, spec_error = _run(engine, model, case, spec_opts, out, plain=plain, rng=rng)
     for stage, (p, s) in enumerate(zip(plain, spec, strict=False)):
-        _compare(f"stage {stage}", p, s, out)
+        if stage not in out.disordered:
+            _compare(f"stage {stage}", p, s, out)
+            continue
+        # The plain reply is itself not a fresh context's: some slot's cells went out of
+        # position order (an n > 1 follow-up on live KV whose forks freed cells below it:
+        # docs/internals.md, "Cell order", "Not fixed"). What differs is a note.
+        void = Outcome(case)
+        _compare(f"stage {stage}", p, s, void)
+        out.drafted, out.accepted = out.drafted + void.drafted, out.accepted + void.accepted
+        out.plain_tokens += void.plain_tokens
+        out.notes += [f"plain cells out of position order: {m}" for m in void.mismatches]
+        if stage == 0:
+            return out  # the rows of this case follow from its replies
     if plain_error or spec_error or len(plain) != len(spec):
         if plain_error == spec_error and len(plain) == len(spec):
             out.notes.append(f"both raised {plain_error}")  # a request error, the same one
@@ -620,6 +658,8 @@ def run_case(engine: Engine, model: Model, case: Case) -> Outcome:
                 f"{plain_error} after {len(plain)}"
             )
         return out
+    if out.disordered:
+        return out  # the rows hold the replies, which may differ
     after_p = _rows(engine, model, PLAIN_SALT)
     after_s = _rows(engine, model, SPEC_SALT)
     _compare_rows(
