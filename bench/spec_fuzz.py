@@ -4,6 +4,7 @@ what each seed asks and checks):
 
     PYTHONPATH=src python bench/spec_fuzz.py [--start 0] [--count 100] [--minutes 30]
                                              [--seeds 3,17,42] [--verbose]
+                                             [--model GGUF] [--n-ctx-slot 512] [--swa-full]
 
 Each seed's request is asked twice, plainly and with a random speculative setting, under two
 cache salts (each reusing its own earlier rows, so later seeds draft from the cache too); the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,6 +37,8 @@ from tests.engine.speckit import (
     traced,
 )
 
+from kvwarm.engine.api import untile_at_start
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,6 +48,15 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: never)")
     ap.add_argument("--ngram-n", type=int, default=3, help="the model's spec_ngram_n")
     ap.add_argument("--verbose", action="store_true", help="print each case as JSON")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF to soak instead (e.g. $KVWARM_GEMMA: a sliding window)",
+    )
+    ap.add_argument("--n-ctx-slot", type=int, default=512, help="each slot's window")
+    ap.add_argument(
+        "--swa-full", action="store_true", help="a full-size sliding-window cache (llama.cpp's)"
+    )
     args = ap.parse_args()
     seeds = (
         [int(s) for s in args.seeds.split(",") if s]
@@ -54,8 +67,14 @@ def main() -> int:
     print(f"# {command}", flush=True)
     began = time.monotonic()
     outcomes: list[Outcome] = []
+    config = fuzz_config(args.n_ctx_slot, spec_ngram_n=args.ngram_n)
+    if args.swa_full:
+        config = replace(config, context=replace(config.context, swa_full=True))
+    # As ``kvwarm serve`` does before any thread starts: a K-quant model (Gemma 3) verifies
+    # drafts exactly only with llama.cpp's tiled kernel off.
+    untile_at_start([(args.model, config)])
     with fuzz_engine() as engine, traced() as paths:
-        model = engine.load_model(config=fuzz_config(spec_ngram_n=args.ngram_n))
+        model = engine.load_model(args.model, config=config)
         info = model.info()
         print(
             f"# model {info.id}: speculation {info.speculation}, exact {info.speculation_exact}, "
