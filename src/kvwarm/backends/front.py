@@ -16,7 +16,7 @@ Invariants:
   join of ``kv_unpack_joined``, only check it: the codec is pure and takes no lock), so a
   close from another thread waits for the call in flight; ``_free`` runs once, after
   ``close()`` and the last dependent.
-- The ``logits()`` views handed out are released before the next decode (``_release_views``)
+- The ``logits()`` views handed out are released before the next decode (``_drop_logits``)
   and at close, so a stale view raises ``ValueError`` instead of reading freed memory.
 - A context holds each attached adapter (``acquire``); ``set_adapters`` acquires the new ones
   before the backend attaches them and releases the old ones only once it has.
@@ -230,7 +230,9 @@ class ContextFront(ABC, Generic[M, A]):
             raise NoLogitsError(f"no logits for batch row {index} (decode with logits first)")
         return row
 
-    def _release_views(self) -> None:
+    def _drop_logits(self) -> None:
+        """The last pass's logits gone: every view of them released, no row readable."""
+        self._rows = []
         for view in self._views:
             try:
                 view.release()
@@ -519,4 +521,4 @@ class ContextFront(ABC, Generic[M, A]):
     @abstractmethod
     def _free(self) -> None:
         """Free the backend's resources, once (``Lifetime``); release the adapters
-        (``_release_adapters``) and views (``_release_views``) where the backend must."""
+        (``_release_adapters``) and views (``_drop_logits``) where the backend must."""

@@ -292,8 +292,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _run(self, n_tokens: int, starts: dict[int, int], batch: Any = None) -> None:
         """``llama_decode`` the first ``n_tokens`` rows of the batch (the token batch unless
         another is given); typed errors on failure."""
-        self._release_views()
-        self._rows = []
+        self._drop_logits()
         batch = self._batch if batch is None else batch
         batch.n_tokens = n_tokens
         rc = int(self._lib.llama_decode(self._ptr, batch))
@@ -540,8 +539,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         try:
             self._decode([BatchToken(0, pos, 0, True) for pos in range(rows)])
         finally:
-            self._release_views()
-            self._rows = []
+            self._drop_logits()
             self._clear()
         if self._pos_max(0) != -1:
             raise StateRestoreError("the context kept cells after it was emptied")
@@ -591,8 +589,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     # -- lifetime -----------------------------------------------------------------------------
 
     def _free(self) -> None:
-        self._release_views()
-        self._rows = []
+        self._drop_logits()
         lib = self._lib
         lib.llama_batch_free(self._batch)
         if self._embd_batch is not None:

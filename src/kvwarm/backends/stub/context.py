@@ -450,8 +450,7 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         self._salt = salt
 
     def _invalidate_logits(self) -> None:
-        self._release_views()
-        self._rows.clear()
+        self._drop_logits()
         self._row_logits.clear()
         self._pooled_h.clear()
 
