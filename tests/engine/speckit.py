@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import json
 import random
-import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from kvwarm.backends.base import ContextParams
+from kvwarm.backends.llama.kv_layout import CELL, HEAD
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import CacheConfig, Namespace, PolicyConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
@@ -438,6 +439,14 @@ def empty_slots(model: Model) -> None:
     model._worker.call(empty).result(60)
 
 
+def _cell_positions(blob: bytes) -> npt.NDArray[np.int32]:
+    """The position each cell of one sequence's ``kv_pack`` blob holds, in cell order (its
+    first KV cache; cells without ``llama_kv_cell_ext``, as SmolLM2's and Gemma 3's)."""
+    n_cells = HEAD.unpack_from(blob, 0)[3]
+    table = np.frombuffer(blob, dtype="<i4", count=n_cells * CELL // 4, offset=HEAD.size)
+    return table.reshape(n_cells, CELL // 4)[:, 0]
+
+
 def cells_check(model: Model) -> list[str]:
     """On the worker thread, between its rounds: each slot's sequence holds exactly the cells
     its ``kv_tokens`` say (positions ``0 .. n - 1``, ``n`` cells, none past them: no rejected
@@ -457,8 +466,7 @@ def cells_check(model: Model) -> list[str]:
                 continue
             if (lo, hi) != (0, n - 1):
                 wrong.append(f"slot {slot.seq}: holds positions {lo}..{hi}, kv_tokens {n}")
-            blob = ctx.kv_pack(slot.seq)
-            _magic, _seq, _streams, cells = struct.unpack_from("<IiII", blob, 0)
+            cells = len(_cell_positions(ctx.kv_pack(slot.seq)))
             if cells != n:
                 wrong.append(f"slot {slot.seq}: {cells} cells, kv_tokens {n}")
         return wrong
@@ -475,12 +483,8 @@ def disordered(model: Model) -> list[int]:
     def check() -> list[int]:
         out = []
         for slot in rt.slots:
-            if slot.kv_tokens:
-                blob = rt.ctx.kv_pack(slot.seq)
-                cells = struct.unpack_from("<IiII", blob, 0)[3]
-                meta = np.frombuffer(blob, dtype=np.int32, count=3 * cells, offset=16)
-                if np.any(np.diff(meta.reshape(cells, 3)[:, 0]) <= 0):
-                    out.append(slot.seq)
+            if slot.kv_tokens and np.any(np.diff(_cell_positions(rt.ctx.kv_pack(slot.seq))) <= 0):
+                out.append(slot.seq)
         return out
 
     return model._worker.call(check).result(60)
