@@ -135,6 +135,23 @@ def test_prefill_is_continued_not_repeated(client: TestClient) -> None:
     assert not data["content"] or not data["content"][0]["text"].startswith("The fox")
 
 
+def test_a_lone_assistant_message_is_a_prefill(client: TestClient) -> None:
+    # Anthropic's API continues a trailing assistant message also where it is the only one
+    # (found by review: kvwarm kept it as a history turn, and the model answered it with a
+    # turn of its own instead of continuing it).
+    for extra in ({}, {"system": "Be brief."}):
+        lone = {**BASE, **extra, "messages": [{"role": "assistant", "content": "The fox"}]}
+        turns, prefill = anthropic.to_chat(MessagesRequest.model_validate(lone))
+        assert prefill == "The fox"
+        assert [(t.role, t.content) for t in turns] == [("system", s) for s in extra.values()]
+        counted = client.post("/v1/messages/count_tokens", json=lone).json()["input_tokens"]
+        done = client.post("/v1/messages", json=lone)
+        assert done.status_code == 200, done.text
+        usage = done.json()["usage"]
+        kinds = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        assert sum(usage[k] for k in kinds) == counted
+
+
 def test_a_prefill_ending_in_whitespace_is_refused(client: TestClient) -> None:
     # Anthropic's API refuses it; kvwarm took it and the reply continued after a lone space
     # token (SmolLM2 answered the prefill "The sea " with "\nis a vast...").

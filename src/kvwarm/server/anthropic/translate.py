@@ -278,8 +278,10 @@ def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
             else:
                 out.append(turn)
     prefill = ""
-    # A trailing assistant turn (after another turn) is a prefill: the reply continues it.
-    if req.messages[-1].role == "assistant" and len(out) - 1 > first:
+    # A trailing assistant turn is a prefill: the reply continues it, as Anthropic's API does
+    # also where it is the only message (found by review: kept as a history turn, the model
+    # answered it with a new turn instead of continuing it).
+    if req.messages[-1].role == "assistant":
         turn = out.pop()
         if called is not None:
             raise HTTPError(
