@@ -30,6 +30,7 @@ def test_the_readme_and_python_md_start_with_the_same_five_lines() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_the_readmes_ten_lines_run() -> None:
     from kvwarm.embedded import default_model_path
 

@@ -508,6 +508,7 @@ def test_a_grammar_past_the_size_bound_is_refused() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_llama_cpp_follows_a_factored_100k_enum_at_a_few_ms_a_token() -> None:
     """Issue 41: a 10,000-value enum cost ~7 s a token in llama.cpp's grammar engine (every
     value a parse stack), 100,000 minutes; factored, a token costs milliseconds, and the

@@ -50,6 +50,7 @@ def _replica_pid(deployed: Deployed) -> int:
 
 
 @pytest.mark.usefixtures("paced")
+@pytest.mark.slow
 def test_a_replica_that_hangs_mid_reply_ends_the_stream_at_its_deadline(ray_port: int) -> None:
     deployed = Deployed(stub_cluster_settings(replicas=1, request_timeout_s=DEADLINE_S), ray_port)
     pid, stopped, events = 0, False, []
@@ -88,6 +89,7 @@ def test_a_replica_that_hangs_mid_reply_ends_the_stream_at_its_deadline(ray_port
 
 
 @pytest.mark.usefixtures("paced")
+@pytest.mark.slow
 def test_a_client_that_leaves_mid_reply_frees_its_replicas_slot(ray_port: int) -> None:
     """The client's disconnect reaches the replica through Serve's proxy and the ingress: its
     generation is cancelled there, so the one slot is free for the next request at once,

@@ -166,6 +166,7 @@ def _joins_done(client: TestClient) -> None:
     client.app.state.kvwarm._joins.submit(lambda: None).result(60)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_a_replica_that_starts_later_gets_the_kept_prefixes_at_once(
     replicas: list[EngineReplica], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -210,6 +211,7 @@ class JoinsMidAttach(IndexedReplicas):
         return super().op(op)
 
 
+@pytest.mark.slow
 def test_a_replica_that_joins_during_an_attach_is_warmed_once_attached(
     replicas: list[EngineReplica],
 ) -> None:

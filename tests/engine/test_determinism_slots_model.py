@@ -54,6 +54,7 @@ def text(seed: int, n: int) -> str:
     return " ".join(WORDS[(i * seed + seed) % len(WORDS)] for i in range(n))
 
 
+@pytest.mark.slow
 def test_every_slot_at_once_is_bit_identical_to_a_one_slot_cold_run() -> None:
     ref_engine = make_engine(policy=NEVER)
     try:

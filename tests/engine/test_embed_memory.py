@@ -65,6 +65,7 @@ def test_a_short_input_makes_a_small_context_and_it_is_counted() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_vectors_do_not_depend_on_the_embedding_context_size() -> None:
     """Real model: a vector is the same from a small context, a grown one, and one created
     at the full n_ctx (the old sizing)."""

@@ -181,6 +181,7 @@ def test_concurrent_greedy_equals_sequential(
     assert together == alone
 
 
+@pytest.mark.slow
 def test_deterministic_mode_matters_at_larger_batches() -> None:
     """With n_batch=64 a restore followed by an *unaligned* prefill is not bit-identical to a
     cold prefill here (measured: 2 of these 5 prompts differ in default mode); deterministic

@@ -117,6 +117,7 @@ def test_an_image_is_shared_restored_after_a_restart_and_exact(
         second.close()
 
 
+@pytest.mark.slow
 def test_the_greedy_reply_to_a_clip_equals_llama_servers(tmp_path: Path, engine: Engine) -> None:
     """The audio path end to end: a WAV clip decoded in Python (16-bit PCM to float32, as
     llama.cpp's own loader reads it) is one causal 750-position span; the reply equals

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.model
 SEEDS = (1, 2, 4, 8, 9, 17, 18, 21, 26, 27, 28)
 
 
+@pytest.mark.slow
 def test_random_requests_speculating_are_plain_decodings() -> None:
     with fuzz_engine() as engine, traced() as paths:
         model = engine.load_model(config=fuzz_config())

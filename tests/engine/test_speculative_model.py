@@ -422,6 +422,7 @@ def three_q8_0_slots(n_ctx: int) -> Iterator[Model]:
         yield engine.load_model(config=config)
 
 
+@pytest.mark.slow
 def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> None:
     """Three requests at once, each slot verifying its drafts while the others decode, in a
     context whose slots already hold other requests' cells (cleared as these are seated): with
@@ -468,6 +469,7 @@ def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> No
     assert sum(done.stats.accepted_tokens for done in spec) >= 40
 
 
+@pytest.mark.slow
 def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> None:
     """``n = 3`` in slots that held an earlier group's choices: every choice, speculating,
     is the plain choice a fresh context gave (tokens and logprobs). Found by specrev's review:
@@ -728,6 +730,7 @@ def test_a_verify_pass_split_in_its_own_stream_keeps_its_window(
         bmodel.close()
 
 
+@pytest.mark.slow
 def test_f32_and_f16_adapters_requests_decode_plainly_and_a_q8_0_adapters_speculate(
     tmp_path: Path,
 ) -> None:
@@ -893,6 +896,7 @@ with make_engine() as engine:
 """.replace("{GEMMA_COPY}", GEMMA_COPY).replace("{FREE_DRAFT_PASSES}", FREE_DRAFT_PASSES)
 
 
+@pytest.mark.slow
 def test_gemma_3_drafts_for_itself_with_a_full_size_window(gemma_path: str) -> None:
     """Gemma 3 270M, a sliding-window model (a standard draft model for larger Gemma 3), as
     its own draft model: its draft context gets a full-size SWA cache (the model's own context
