@@ -117,11 +117,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         ids = [item.nodeid for item in items]
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         raise pytest.UsageError(f"tests share node ids, which pytest-xdist would drop: {repeated}")
-    # Files that hold a ``slow`` test first, each file's tests kept together and in order:
-    # xdist hands out files in this order, so the long ones start early instead of one worker
-    # finishing alone (Schemathesis' 3 minutes came near the end, alphabetically).
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
