@@ -104,7 +104,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     with workers, one operation of each ran and the 90 others were dropped, unreported. Such an
     item takes its own name (which holds the operation) into its id; an id still repeated
     fails the run here rather than losing tests."""
-    seen: set[str] = set()
+    from collections import Counter
+
     for item in items:
         params = item.name.partition("[")[2].removesuffix("]")
         if params and not item.nodeid.endswith("]"):
@@ -112,10 +113,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item._id = item._id.with_params(params)
             else:
                 item._nodeid = f"{item.nodeid}[{params}]"
-        seen.add(item.nodeid)
-    if len(seen) != len(items):
-        ids = [item.nodeid for item in items]
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
+    repeated = sorted(i for i, n in Counter(item.nodeid for item in items).items() if n > 1)
+    if repeated:
         raise pytest.UsageError(f"tests share node ids, which pytest-xdist would drop: {repeated}")
 
 
