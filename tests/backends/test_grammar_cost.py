@@ -581,3 +581,65 @@ def test_a_grammar_step_past_its_budget_fails_the_sample(monkeypatch: pytest.Mon
             slow.close()
     finally:
         model.close()
+
+
+def test_a_grammar_prepared_before_is_not_prepared_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents send the same tools and response format every turn: a 100,000-value enum's
+    preparation (seconds of Python, holding the GIL) runs once, not at every turn."""
+    import kvwarm.backends.grammar_cost as grammar_cost
+
+    factored: list[str] = []
+    original = grammar_cost.factor_literal_rules
+
+    def counted(text: str) -> str:
+        factored.append(text)
+        return original(text)
+
+    monkeypatch.setattr(grammar_cost, "factor_literal_rules", counted)
+    monkeypatch.setattr(grammar_cost, "_CHEAP", grammar_cost.TextMemo(1 << 20))
+    values = " | ".join(f'"v{i}"' for i in range(300))
+    first = cheap_grammar(f"root ::= {values}")
+    assert cheap_grammar(f"root ::= {values}") == first
+    assert len(factored) == 1
+    assert cheap_grammar(f'root ::= {values} | "w"') != first  # another text: prepared
+    assert len(factored) == 2
+    for _ in range(2):  # a refusal is not kept: said again, the checks run again
+        with pytest.raises(GrammarError, match="too ambiguous"):
+            cheap_grammar(doubling(40))
+    assert len(factored) == 4
+
+
+def test_a_text_memo_keeps_the_most_recently_used_within_its_bound() -> None:
+    from kvwarm.backends.grammar_cost import TextMemo
+
+    made: list[str] = []
+
+    def make(text: str) -> str:
+        made.append(text)
+        return text.upper()
+
+    memo = TextMemo(max_chars=8)
+    assert [memo.get(t, make) for t in ("aaaa", "bbbb", "aaaa")] == ["AAAA", "BBBB", "AAAA"]
+    assert made == ["aaaa", "bbbb"] and memo.hits == 1
+    memo.get("cccc", make)  # past 8 characters: the least recently used (bbbb) goes
+    memo.get("aaaa", make)
+    memo.get("bbbb", make)
+    assert made == ["aaaa", "bbbb", "cccc", "bbbb"]
+    assert memo.get("x" * 9, make) == "X" * 9  # larger than the whole bound: made, not kept
+    assert memo.get("x" * 9, make) == "X" * 9 and made[-2:] == ["x" * 9, "x" * 9]
+
+
+def test_a_schema_converted_before_is_not_converted_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvwarm.backends.grammar as grammar
+    from kvwarm.backends.grammar_cost import TextMemo
+
+    monkeypatch.setattr(grammar, "_CONVERTED", TextMemo(1 << 20))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    first = schema_to_gbnf(schema)
+    assert schema_to_gbnf(dict(schema)) == first
+    assert grammar._CONVERTED.hits == 1
+    with pytest.raises(GrammarError):  # refused each time it is sent
+        schema_to_gbnf({"type": "string", "minLength": 10**9})
+    with pytest.raises(GrammarError):
+        schema_to_gbnf({"type": "string", "minLength": 10**9})
+    assert grammar._CONVERTED.hits == 1

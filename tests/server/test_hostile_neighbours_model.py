@@ -65,6 +65,7 @@ def test_a_chat_beside_a_100k_value_enum_is_served_while_the_enum_is_prepared(
         },
     }
     preparing, gate = threading.Event(), threading.Event()
+
     def held(text: str) -> str:
         preparing.set()
         assert gate.wait(120), "the test never let the preparation go on"

@@ -21,7 +21,10 @@ can descend (``MAX_GRAMMAR_DEPTH``).
 
 from __future__ import annotations
 
+import hashlib
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from kvwarm.backends.grammar_factor import factor_literal_rules
@@ -34,6 +37,7 @@ __all__ = [
     "MAX_GRAMMAR_DEPTH",
     "MAX_GRAMMAR_REPEATS",
     "MAX_GRAMMAR_WIDTH",
+    "TextMemo",
     "check_grammar_cost",
     "cheap_grammar",
     "check_grammar_depth",
@@ -334,11 +338,62 @@ def _ways(rules: dict[str, _Expr], limit: int) -> tuple[dict[str, int], list[str
     return ways, order
 
 
+class TextMemo:
+    """A text-to-text function's results, the most recently used first, within ``max_chars``
+    of results: the same text is not prepared again. Keyed by a digest of the text (a 2 MB
+    grammar is not kept twice); failures are not kept. Thread-safe; two threads preparing one
+    text at once both compute it.
+
+    Agents send the same tools and response format every turn: their grammar's preparation
+    is Python on the request's thread, and a large one (a 100,000-value enum: ~3 s) holds the
+    GIL, slowing every other request's decode, each time it is sent."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[bytes, str] = OrderedDict()
+        self._chars = 0
+        self.hits = 0
+
+    def get(self, text: str, make: Callable[[str], str]) -> str:
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+                self.hits += 1
+                return kept
+        made = make(text)
+        if len(made) <= self.max_chars:
+            with self._lock:
+                if key not in self._kept:
+                    self._kept[key] = made
+                    self._chars += len(made)
+                while self._chars > self.max_chars:
+                    _, old = self._kept.popitem(last=False)
+                    self._chars -= len(old)
+        return made
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self._chars = 0
+
+
+#: ``cheap_grammar``'s results: 8 grammars of ``MAX_GRAMMAR_BYTES``, thousands of common ones.
+_CHEAP = TextMemo(8 * MAX_GRAMMAR_BYTES)
+
+
 def cheap_grammar(text: str) -> str:
     """``text`` as llama.cpp should get it: no longer than ``MAX_GRAMMAR_BYTES``, rules of
     many string literals factored into prefix trees (``grammar_factor``), and within every
-    bound of ``check_grammar_cost`` (``GrammarError`` otherwise)."""
+    bound of ``check_grammar_cost`` (``GrammarError`` otherwise). A text prepared before is
+    not prepared again (``TextMemo``)."""
     _check_length(text)
+    return _CHEAP.get(text, _cheap)
+
+
+def _cheap(text: str) -> str:
     factored = factor_literal_rules(text)
     check_grammar_cost(factored)
     return factored
