@@ -643,3 +643,40 @@ def test_a_schema_converted_before_is_not_converted_again(monkeypatch: pytest.Mo
     with pytest.raises(GrammarError):
         schema_to_gbnf({"type": "string", "minLength": 10**9})
     assert grammar._CONVERTED.hits == 1
+
+
+def test_a_prepared_grammar_is_not_checked_again_on_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The samplers' safety checks (``check_grammar_safe``) ran again on the model's worker
+    for a grammar the request's thread had checked: ~1.4 s of a 100,000-value enum in which
+    no other request decoded. A text that passed is not checked again; one that fails is
+    refused every time, and a text never prepared is checked."""
+    import kvwarm.backends.grammar_cost as grammar_cost
+    from kvwarm.backends.grammar_cost import TextMemo, check_grammar_safe
+
+    checked: list[str] = []
+    original = grammar_cost.check_left_recursion
+
+    def counted(text: str) -> None:
+        checked.append(text)
+        original(text)
+
+    monkeypatch.setattr(grammar_cost, "check_left_recursion", counted)
+    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0))
+    prepared = cheap_grammar('root ::= "a" | "b"')
+    check_grammar_safe(prepared)
+    assert checked == []  # cheap_grammar's own checks stand
+    other = 'root ::= "c"'
+    check_grammar_safe(other)
+    check_grammar_safe(other)
+    assert checked == [other]
+    looping = 'root ::= y root "b" | "a"\ny ::= "x"?'
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="left recursion"):
+            check_grammar_safe(looping)
+    assert checked == [other, looping, looping]
+    deep = "root ::= " + "(" * 1200 + '"a"' + ")" * 1200
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            check_grammar_safe(deep)

@@ -44,6 +44,7 @@ __all__ = [
     "check_grammar_code_points",
     "check_grammar_elements",
     "check_grammar_repeats",
+    "check_grammar_safe",
     "check_left_recursion",
     "grammar_depth",
     "grammar_ways",
@@ -348,15 +349,16 @@ class TextMemo:
     is Python on the request's thread, and a large one (a 100,000-value enum: ~3 s) holds the
     GIL, slowing every other request's decode, each time it is sent."""
 
-    def __init__(self, max_chars: int) -> None:
+    def __init__(self, max_chars: int, max_entries: int = 4096) -> None:
         self.max_chars = max_chars
+        self.max_entries = max_entries
         self._lock = threading.Lock()
         self._kept: OrderedDict[bytes, str] = OrderedDict()
         self._chars = 0
         self.hits = 0
 
     def get(self, text: str, make: Callable[[str], str]) -> str:
-        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        key = _digest(text)
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:
@@ -364,20 +366,32 @@ class TextMemo:
                 self.hits += 1
                 return kept
         made = make(text)
-        if len(made) <= self.max_chars:
-            with self._lock:
-                if key not in self._kept:
-                    self._kept[key] = made
-                    self._chars += len(made)
-                while self._chars > self.max_chars:
-                    _, old = self._kept.popitem(last=False)
-                    self._chars -= len(old)
+        self._keep(key, made)
         return made
+
+    def put(self, text: str, made: str) -> None:
+        """Keep ``made`` as ``text``'s result (found by other means than ``get``'s)."""
+        self._keep(_digest(text), made)
+
+    def _keep(self, key: bytes, made: str) -> None:
+        if len(made) > self.max_chars:
+            return
+        with self._lock:
+            if key not in self._kept:
+                self._kept[key] = made
+                self._chars += len(made)
+            while self._chars > self.max_chars or len(self._kept) > self.max_entries:
+                _, old = self._kept.popitem(last=False)
+                self._chars -= len(old)
 
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
             self._chars = 0
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 #: ``cheap_grammar``'s results: 8 grammars of ``MAX_GRAMMAR_BYTES``, thousands of common ones.
@@ -397,6 +411,31 @@ def _cheap(text: str) -> str:
     factored = factor_literal_rules(text)
     check_grammar_cost(factored)
     return factored
+
+
+#: The grammars that passed ``check_grammar_safe``'s checks (their results: "").
+_SAFE = TextMemo(0, max_entries=4096)
+
+
+def check_grammar_safe(text: str) -> None:
+    """``GrammarError`` for a grammar llama.cpp's compile cannot take safely: nesting past
+    ``MAX_GRAMMAR_DEPTH`` (its parser overflows its stack), elements that abort the process,
+    repeats past ``MAX_GRAMMAR_REPEATS`` (rules until out of memory), code points it writes as
+    bytes, a left recursion through rules that can be empty (its compile loops for ever).
+    Every backend's sampler checks it, whoever calls it. A text that passed (here, or in
+    ``check_grammar_cost``, which runs the same checks) is not checked again: the request's
+    thread prepared it, and on the model's worker a 100,000-value enum's checks took ~1.4 s
+    in which no other request decoded."""
+    _SAFE.get(text, _checked_safe)
+
+
+def _checked_safe(text: str) -> str:
+    check_grammar_depth(text)
+    check_grammar_elements(text)
+    check_grammar_repeats(text)
+    check_grammar_code_points(text)
+    check_left_recursion(text)
+    return ""
 
 
 def _check_length(text: str) -> None:
@@ -620,9 +659,11 @@ def check_grammar_cost(
     try:
         rules = _parse(text)
     except (_UnparsableError, RecursionError):
+        _SAFE.put(text, "")  # as check_left_recursion: unparsed, left to llama.cpp's parser
         return
     nullable = _nullable(rules)  # found once, for every check below
     _check_left_recursion(rules, nullable)  # on the rules parsed once, not its own parse
+    _SAFE.put(text, "")  # check_grammar_safe's checks all passed
     try:
         ways, order = _ways(rules, limit)
     except (_UnparsableError, RecursionError):

@@ -167,10 +167,10 @@ class Submitter:
                 upkeep=upkeep,
             )
 
-        req = request(opts, tuple(request(f) for f in forks))
         if grammar is not None or opts.logit_bias:
             # Build once here so a bad grammar or bias is the caller's error, not the worker's.
             self.bmodel.new_sampler(opts.sampling(grammar, preserved=preserved)).close()
+        req = request(opts, tuple(request(f) for f in forks))  # queued from here (queue_ms)
         self.worker.submit(req)
         return CompletionStream(req, self.worker.cancel)
 

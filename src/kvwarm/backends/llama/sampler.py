@@ -40,13 +40,7 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import (
-    check_grammar_code_points,
-    check_grammar_depth,
-    check_grammar_elements,
-    check_grammar_repeats,
-    check_left_recursion,
-)
+from kvwarm.backends.grammar_cost import check_grammar_safe
 from kvwarm.backends.lazy_grammar import trigger_watch
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
@@ -137,11 +131,7 @@ class LlamaSampler:
         if "\0" in params.grammar or "\0" in params.grammar_root:
             # A C string ends at the first NUL: llama.cpp would compile the grammar's head only.
             raise GrammarError("the grammar contains a NUL character", param="grammar")
-        check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
-        check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
-        check_grammar_repeats(params.grammar)  # {5,2}: llama.cpp builds rules until out of memory
-        check_grammar_code_points(params.grammar)  # U+D800: llama.cpp writes its bytes
-        check_left_recursion(params.grammar)  # llama.cpp's compile can loop for ever on one
+        check_grammar_safe(params.grammar)  # a grammar llama.cpp would crash or hang on
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,

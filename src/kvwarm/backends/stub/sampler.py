@@ -25,13 +25,7 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import (
-    check_grammar_code_points,
-    check_grammar_depth,
-    check_grammar_elements,
-    check_grammar_repeats,
-    check_left_recursion,
-)
+from kvwarm.backends.grammar_cost import check_grammar_safe
 from kvwarm.backends.lazy_grammar import trigger_watch
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
@@ -57,11 +51,7 @@ class LiteralGrammar:
         encode_utf8(grammar, param="grammar")  # as llama.cpp's backend does before compiling
         if "\0" in grammar or "\0" in root:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
-        check_grammar_depth(grammar)  # as llama.cpp's sampler refuses it
-        check_grammar_elements(grammar)
-        check_grammar_repeats(grammar)
-        check_grammar_code_points(grammar)
-        check_left_recursion(grammar)
+        check_grammar_safe(grammar)  # as llama.cpp's sampler refuses it
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
         _check_references(grammar)
