@@ -680,3 +680,55 @@ def test_a_prepared_grammar_is_not_checked_again_on_the_worker(
     for _ in range(2):
         with pytest.raises(GrammarError):
             check_grammar_safe(deep)
+
+
+def test_a_schema_is_prepared_once_per_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo of prepared grammars is scoped by the request's cache salt, as cached prompts
+    are: one tenant cannot tell by a reply's speed that another sent a schema. Through the
+    OpenAI and Anthropic routes, the format's schema and the tools' call grammar alike."""
+    import kvwarm.backends.grammar as grammar
+    import kvwarm.backends.grammar_cost as grammar_cost
+    from kvwarm.backends.grammar_cost import TextMemo
+
+    prepared: list[str] = []
+    original = grammar_cost.factor_literal_rules
+
+    def counted(text: str) -> str:
+        prepared.append(text)
+        return original(text)
+
+    monkeypatch.setattr(grammar_cost, "factor_literal_rules", counted)
+    schema = {"type": "string", "enum": [f"v{i}" for i in range(50)]}
+    chat = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "pick"}],
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    }
+    params = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": params}}
+    tools = {**chat, "response_format": None, "tools": [tool], "tool_choice": "auto"}
+    anthropic = {
+        "model": "a",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "pick"}],
+        "tools": [{"name": "pick", "input_schema": params}],
+    }
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        for path, body in (
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", tools),
+            ("/v1/messages", anthropic),
+        ):
+            monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))  # each path afresh
+            monkeypatch.setattr(grammar, "_CONVERTED", TextMemo(1 << 20))
+            counts = []
+            for salt in ("tenant-a", "tenant-a", "tenant-b", None, None):
+                before = len(prepared)
+                sent = body if salt is None else {**body, "cache_salt": salt}
+                response = client.post(path, json=sent)
+                assert response.status_code == 200, response.json()
+                counts.append(len(prepared) - before)
+            first = counts[0]  # the tools' call grammar, and with it the free text's
+            assert first > 0 and counts == [first, 0, first, first, 0], (path, counts)

@@ -66,10 +66,10 @@ def test_a_chat_beside_a_100k_value_enum_is_served_while_the_enum_is_prepared(
     }
     preparing, gate = threading.Event(), threading.Event()
 
-    def held(text: str) -> str:
+    def held(text: str, scope: bytes | None = None) -> str:
         preparing.set()
         assert gate.wait(120), "the test never let the preparation go on"
-        return cheap_grammar(text)
+        return cheap_grammar(text, scope)
 
     monkeypatch.setattr("kvwarm.engine.submit.cheap_grammar", held)
     result: dict[str, Any] = {}

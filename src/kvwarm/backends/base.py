@@ -672,8 +672,9 @@ class Backend(Protocol):
     def load_model(self, path: str, params: ModelParams | None = None) -> BackendModel: ...
 
 
-def json_schema_to_grammar(schema: Mapping[str, object] | str) -> str:
-    """GBNF for a JSON schema (llama-cpp-python's converter); ``GrammarError`` if unsupported."""
+def json_schema_to_grammar(schema: Mapping[str, object] | str, scope: bytes | None = None) -> str:
+    """GBNF for a JSON schema (llama-cpp-python's converter); ``GrammarError`` if unsupported.
+    ``scope``: the cache salt the conversion is remembered under (``grammar.TextMemo``)."""
     from kvwarm.backends.grammar import schema_to_gbnf
 
-    return schema_to_gbnf(schema)
+    return schema_to_gbnf(schema, scope)

@@ -665,9 +665,10 @@ def _converting(convert: Callable[[], str]) -> str:
 _CONVERTED = TextMemo(8 * MAX_GRAMMAR_BYTES)
 
 
-def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
-    """GBNF whose language is the JSON documents valid under ``schema``."""
-    return _CONVERTED.get(_schema_text(schema), _schema_text_to_gbnf)
+def schema_to_gbnf(schema: Mapping[str, object] | str, scope: bytes | None = None) -> str:
+    """GBNF whose language is the JSON documents valid under ``schema`` (converted once per
+    ``scope``, a cache salt: ``TextMemo``)."""
+    return _CONVERTED.get(_schema_text(schema), _schema_text_to_gbnf, scope or b"")
 
 
 def _schema_text_to_gbnf(text: str) -> str:

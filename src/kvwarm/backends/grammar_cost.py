@@ -342,8 +342,10 @@ def _ways(rules: dict[str, _Expr], limit: int) -> tuple[dict[str, int], list[str
 class TextMemo:
     """A text-to-text function's results, the most recently used first, within ``max_chars``
     of results: the same text is not prepared again. Keyed by a digest of the text (a 2 MB
-    grammar is not kept twice); failures are not kept. Thread-safe; two threads preparing one
-    text at once both compute it.
+    grammar is not kept twice) and a ``scope``: the request's cache salt, so that one tenant
+    cannot learn by a reply's speed that another sent some schema (as salts keep cached
+    prompts apart). Failures are not kept. Thread-safe; two threads preparing one text at once
+    both compute it.
 
     Agents send the same tools and response format every turn: their grammar's preparation
     is Python on the request's thread, and a large one (a 100,000-value enum: ~3 s) holds the
@@ -357,8 +359,8 @@ class TextMemo:
         self._chars = 0
         self.hits = 0
 
-    def get(self, text: str, make: Callable[[str], str]) -> str:
-        key = _digest(text)
+    def get(self, text: str, make: Callable[[str], str], scope: bytes = b"") -> str:
+        key = _digest(text, scope)
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:
@@ -384,27 +386,24 @@ class TextMemo:
                 _, old = self._kept.popitem(last=False)
                 self._chars -= len(old)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
-            self._chars = 0
 
-
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _digest(text: str, scope: bytes = b"") -> bytes:
+    digest = hashlib.blake2b(len(scope).to_bytes(8, "big") + scope, digest_size=16)
+    digest.update(text.encode("utf-8", "surrogatepass"))
+    return digest.digest()
 
 
 #: ``cheap_grammar``'s results: 8 grammars of ``MAX_GRAMMAR_BYTES``, thousands of common ones.
 _CHEAP = TextMemo(8 * MAX_GRAMMAR_BYTES)
 
 
-def cheap_grammar(text: str) -> str:
+def cheap_grammar(text: str, scope: bytes | None = None) -> str:
     """``text`` as llama.cpp should get it: no longer than ``MAX_GRAMMAR_BYTES``, rules of
     many string literals factored into prefix trees (``grammar_factor``), and within every
-    bound of ``check_grammar_cost`` (``GrammarError`` otherwise). A text prepared before is
-    not prepared again (``TextMemo``)."""
+    bound of ``check_grammar_cost`` (``GrammarError`` otherwise). A text prepared before in
+    the same ``scope`` (a cache salt) is not prepared again (``TextMemo``)."""
     _check_length(text)
-    return _CHEAP.get(text, _cheap)
+    return _CHEAP.get(text, _cheap, scope or b"")
 
 
 def _cheap(text: str) -> str:
@@ -425,7 +424,8 @@ def check_grammar_safe(text: str) -> None:
     Every backend's sampler checks it, whoever calls it. A text that passed (here, or in
     ``check_grammar_cost``, which runs the same checks) is not checked again: the request's
     thread prepared it, and on the model's worker a 100,000-value enum's checks took ~1.4 s
-    in which no other request decoded."""
+    in which no other request decoded. Not scoped by tenant: a request's own preparation
+    (``cheap_grammar``, scoped) has run these checks before its worker looks here."""
     _SAFE.get(text, _checked_safe)
 
 

@@ -102,12 +102,12 @@ class Submitter:
             self._check_spans(given, opts)
         grammar = opts.grammar
         if opts.json_schema is not None:
-            grammar = json_schema_to_grammar(opts.json_schema)
+            grammar = json_schema_to_grammar(opts.json_schema, opts.salt_bytes())
         if grammar is not None:
             # Before any backend compiles it: an explosively ambiguous or wide grammar is a
             # 400 here, never minutes of native work on the worker (issues 23, 41); an enum's
             # literals become a prefix tree llama.cpp checks cheaply.
-            grammar = cheap_grammar(grammar)
+            grammar = cheap_grammar(grammar, opts.salt_bytes())
         deterministic = (
             opts.deterministic if opts.deterministic is not None else self.config.deterministic
         )

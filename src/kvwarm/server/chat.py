@@ -282,7 +282,9 @@ def _leads_with_system(messages: Sequence[ChatMessage]) -> bool:
     return bool(messages) and messages[0].role in ("system", "developer")
 
 
-async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:
+async def call_grammar(
+    plan: ChatPlan, *, whole: bool, cache_salt: str | None = None
+) -> CallGrammar | None:
     """tool_choice auto's call grammar (``plan.lazy``), built off the event loop (a tool's
     100,000-value ``enum`` takes ~0.2 s to convert); None where its calls are not held or the
     request constrains its ``whole`` reply itself (its own grammar, a response format), and
@@ -290,7 +292,8 @@ async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:
     writes them, as in a format without a grammar. Found by review: such a request was a
     400 (``invalid_grammar``), though under auto nothing must be constrained, OpenAI and
     llama-server answer it, and kvwarm did before auto's calls were held; a forced call
-    (``required``, a named tool), which must be, is still the 400."""
+    (``required``, a named tool), which must be, is still the 400. ``cache_salt``: the
+    request's, the scope its preparation is remembered in (``grammar_cost.TextMemo``)."""
     lazy = plan.lazy
     if lazy is None or whole:
         return None
@@ -299,7 +302,8 @@ async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:
         calls = lazy.grammar()
         # Within the bounds every grammar is held to (``engine/submit.py``: too ambiguous, too
         # wide, too long), here, where past them means no grammar rather than a 400.
-        return dataclasses.replace(calls, grammar=cheap_grammar(calls.grammar))
+        scope = None if cache_salt is None else cache_salt.encode("utf-8")
+        return dataclasses.replace(calls, grammar=cheap_grammar(calls.grammar, scope))
 
     try:
         return await run_in_threadpool(checked)

@@ -84,16 +84,17 @@ async def messages(request: Request) -> Response:
         spec_type=req.spec_type,
         spec_draft_max=req.spec_draft_max,
     )
+    salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
     opts = convert.options(
         fields,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=state.settings.max_tokens_limit,
         over_limit=state.settings.max_tokens_over_limit,
         json_schema=plan.json_schema or schema,
-        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        cache_salt=salt,
         lora=lora,
         names={"stop": "stop_sequences", **req.sent_as()},
-        calls=await chat.call_grammar(plan, whole=schema is not None),
+        calls=await chat.call_grammar(plan, whole=schema is not None, cache_salt=salt),
         preserved=plan.preserved,
     )
     stream = await start_stream(chat.submit(model, plan, opts, prefill), req.sent_as())

@@ -112,6 +112,7 @@ async def chat_completions(request: Request) -> Response:
             code="unsupported_parameter",
             param="response_format",
         )
+    salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
     opts = convert.options(
         req,
         default_max_tokens=state.settings.default_max_tokens,
@@ -123,9 +124,11 @@ async def chat_completions(request: Request) -> Response:
         ),
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        cache_salt=salt,
         lora=lora,
-        calls=await chat.call_grammar(plan, whole=schema is not None or req.grammar is not None),
+        calls=await chat.call_grammar(
+            plan, whole=schema is not None or req.grammar is not None, cache_salt=salt
+        ),
         preserved=plan.preserved,
         prediction=req.prediction.text() if req.prediction is not None else None,
     )
