@@ -685,7 +685,8 @@ def test_a_prepared_grammar_is_not_checked_again_on_the_worker(
 def test_a_schema_is_prepared_once_per_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memo of prepared grammars is scoped by the request's cache salt, as cached prompts
     are: one tenant cannot tell by a reply's speed that another sent a schema. Through the
-    OpenAI and Anthropic routes, the format's schema and the tools' call grammar alike."""
+    OpenAI, Anthropic and Responses routes, the format's schema and the tools' call grammar
+    alike."""
     import kvwarm.backends.grammar as grammar
     import kvwarm.backends.grammar_cost as grammar_cost
     from kvwarm.backends.grammar_cost import TextMemo
@@ -714,12 +715,21 @@ def test_a_schema_is_prepared_once_per_tenant(monkeypatch: pytest.MonkeyPatch) -
         "messages": [{"role": "user", "content": "pick"}],
         "tools": [{"name": "pick", "input_schema": params}],
     }
+    # Found by review: the Responses API's call grammar was remembered unscoped.
+    responses = {
+        "model": "a",
+        "input": "pick",
+        "max_output_tokens": 2,
+        "tools": [{"type": "function", "name": "pick", "parameters": params}],
+        "tool_choice": "auto",
+    }
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
         for path, body in (
             ("/v1/chat/completions", chat),
             ("/v1/chat/completions", tools),
             ("/v1/messages", anthropic),
+            ("/v1/responses", responses),
         ):
             monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))  # each path afresh
             monkeypatch.setattr(grammar, "_CONVERTED", TextMemo(1 << 20))

@@ -283,7 +283,7 @@ def _leads_with_system(messages: Sequence[ChatMessage]) -> bool:
 
 
 async def call_grammar(
-    plan: ChatPlan, *, whole: bool, cache_salt: str | None = None
+    plan: ChatPlan, *, whole: bool, cache_salt: str | None
 ) -> CallGrammar | None:
     """tool_choice auto's call grammar (``plan.lazy``), built off the event loop (a tool's
     100,000-value ``enum`` takes ~0.2 s to convert); None where its calls are not held or the
@@ -293,7 +293,8 @@ async def call_grammar(
     400 (``invalid_grammar``), though under auto nothing must be constrained, OpenAI and
     llama-server answer it, and kvwarm did before auto's calls were held; a forced call
     (``required``, a named tool), which must be, is still the 400. ``cache_salt``: the
-    request's, the scope its preparation is remembered in (``grammar_cost.TextMemo``)."""
+    request's, the scope its preparation is remembered in (``grammar_cost.TextMemo``); no
+    default, so that no route forgets it (found by review: the Responses API's was unscoped)."""
     lazy = plan.lazy
     if lazy is None or whole:
         return None

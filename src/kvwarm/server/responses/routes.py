@@ -245,7 +245,7 @@ async def create_response(request: Request) -> Response:
         logprobs=responses.wanted_logprobs(req),
         cache_salt=salt,
         lora=lora,
-        calls=await chat.call_grammar(plan, whole=schema is not None),
+        calls=await chat.call_grammar(plan, whole=schema is not None, cache_salt=salt),
         preserved=plan.preserved,
         names=req.sent_as(),
     )
