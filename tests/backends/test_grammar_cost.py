@@ -742,3 +742,60 @@ def test_a_schema_is_prepared_once_per_tenant(monkeypatch: pytest.MonkeyPatch) -
                 counts.append(len(prepared) - before)
             first = counts[0]  # the tools' call grammar, and with it the free text's
             assert first > 0 and counts == [first, 0, first, first, 0], (path, counts)
+
+
+def test_a_kept_grammar_is_not_checked_again_whatever_other_tenants_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The memo of grammars that passed the samplers' checks is one for every tenant. Found
+    by review: once others' grammars had pushed a tenant's out of it while its prepared
+    grammar was still kept, that tenant's sampler ran the checks again (~1.4 s of a
+    100,000-value enum), unless another tenant had just sent the same text: a reply's speed
+    told whether another tenant sent it. A kept grammar counts as checked again when used."""
+    import kvwarm.backends.grammar_cost as grammar_cost
+    from kvwarm.backends.grammar_cost import TextMemo, check_grammar_safe
+
+    checked: list[str] = []
+    original = grammar_cost.check_left_recursion
+
+    def counted(text: str) -> None:
+        checked.append(text)
+        original(text)
+
+    monkeypatch.setattr(grammar_cost, "check_left_recursion", counted)
+    monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
+    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0, max_entries=2))
+    mine = 'root ::= "a" | "b"'
+    prepared = cheap_grammar(mine, b"tenant-a")
+    for i in range(2):  # other tenants' grammars take the checked memo's room
+        cheap_grammar(f'root ::= "c{i}"', b"tenant-b")
+    for other in (None, b"tenant-c"):  # whether or not another tenant sends it meanwhile
+        if other is not None:
+            cheap_grammar(mine, other)
+        assert cheap_grammar(mine, b"tenant-a") == prepared  # kept
+        check_grammar_safe(prepared)  # its sampler, on the request's thread and the worker
+        check_grammar_safe(prepared)
+        assert checked == [], other
+        for i in range(2):
+            cheap_grammar(f'root ::= "d{i}"', b"tenant-b")
+
+
+def test_the_checked_memo_keeps_what_is_marked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marking a text checked again makes it the most recently used: the next texts push
+    out older ones first."""
+    from kvwarm.backends.grammar_cost import TextMemo
+
+    memo = TextMemo(0, max_entries=2)
+    memo.put("a", "")
+    memo.put("b", "")
+    memo.put("a", "")
+    memo.put("c", "")  # pushes out "b", not "a"
+    made: list[str] = []
+
+    def make(text: str) -> str:
+        made.append(text)
+        return ""
+
+    memo.get("a", make)
+    memo.get("b", make)
+    assert made == ["b"]

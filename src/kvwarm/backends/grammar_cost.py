@@ -379,7 +379,9 @@ class TextMemo:
         if len(made) > self.max_chars:
             return
         with self._lock:
-            if key not in self._kept:
+            if key in self._kept:
+                self._kept.move_to_end(key)  # kept again: the most recently used
+            else:
                 self._kept[key] = made
                 self._chars += len(made)
             while self._chars > self.max_chars or len(self._kept) > self.max_entries:
@@ -403,7 +405,12 @@ def cheap_grammar(text: str, scope: bytes | None = None) -> str:
     bound of ``check_grammar_cost`` (``GrammarError`` otherwise). A text prepared before in
     the same ``scope`` (a cache salt) is not prepared again (``TextMemo``)."""
     _check_length(text)
-    return _CHEAP.get(text, _cheap, scope or b"")
+    made = _CHEAP.get(text, _cheap, scope or b"")
+    # Checked when it was made: its samplers need not check it again, whatever other texts
+    # have pushed it out of ``_SAFE`` since. Else a tenant's sampler would check it again or
+    # not as another tenant had just sent the same text, which its reply's speed would tell.
+    _SAFE.put(made, "")
+    return made
 
 
 def _cheap(text: str) -> str:
@@ -425,7 +432,8 @@ def check_grammar_safe(text: str) -> None:
     ``check_grammar_cost``, which runs the same checks) is not checked again: the request's
     thread prepared it, and on the model's worker a 100,000-value enum's checks took ~1.4 s
     in which no other request decoded. Not scoped by tenant: a request's own preparation
-    (``cheap_grammar``, scoped) has run these checks before its worker looks here."""
+    (``cheap_grammar``, scoped) has run these checks, or marks its kept result checked
+    again, before its samplers look here."""
     _SAFE.get(text, _checked_safe)
 
 
