@@ -851,3 +851,37 @@ def test_the_nullable_worklist_finds_what_the_sweeps_found() -> None:
         if _nullable(rules) != _nullable_by_sweeps(rules):
             differ.append(rules)
     assert differ == []
+
+
+def test_a_request_s_grammar_is_parsed_once_not_again_by_its_samplers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the engine: the request's thread prepares and checks its grammar, and neither
+    the sampler built there nor the worker's checks it again (the test beside the
+    100,000-value enum holds its preparation, so it cannot see the worker's ~1.4 s)."""
+    from tests.engine.conftest import make_engine, stub_config
+
+    import kvwarm.backends.grammar_cost as grammar_cost
+    from kvwarm.backends.grammar_cost import TextMemo
+    from kvwarm.engine.types import GenerationOptions
+
+    parsed: list[str] = []
+    original = grammar_cost._parse
+
+    def counted(text: str) -> dict[str, list[list[tuple[str, object, tuple[int, int]]]]]:
+        parsed.append(text)
+        return original(text)
+
+    monkeypatch.setattr(grammar_cost, "_parse", counted)
+    monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
+    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0))
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config())
+        opts = GenerationOptions(max_tokens=8, temperature=0.0, grammar='root ::= "yes" | "no"')
+        assert model.complete("Say yes or no:", opts).text in ("yes", "no")
+        assert len(parsed) == 1, parsed
+        model.complete("Say yes or no:", opts)  # sent again: kept, not parsed at all
+        assert len(parsed) == 1, parsed
+    finally:
+        engine.close()
