@@ -390,7 +390,9 @@ class TextMemo:
 
 
 def _digest(text: str, scope: bytes = b"") -> bytes:
-    digest = hashlib.blake2b(len(scope).to_bytes(8, "big") + scope, digest_size=16)
+    """``text``'s key in ``scope``: 256 bits, so that no one finds two texts sharing one (a
+    safe grammar's and an unsafe one's, in ``_SAFE``) by brute force, as 128 might allow."""
+    digest = hashlib.blake2b(len(scope).to_bytes(8, "big") + scope, digest_size=32)
     digest.update(text.encode("utf-8", "surrogatepass"))
     return digest.digest()
 
