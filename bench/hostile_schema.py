@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
+
+import trees
 
 
 def measure(values: int) -> dict[str, Any]:
@@ -67,25 +67,13 @@ def measure(values: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    trees.add_arguments(ap, rounds=3)
     ap.add_argument("--values", type=int, default=100_000)
-    ap.add_argument("--compare", default=None, help="another tree's src/ to alternate with")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(args.values)))
         return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-    trees = {"this": os.path.abspath(here)}
-    if args.compare:
-        trees["other"] = os.path.abspath(args.compare)
-    got: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
-    for _ in range(args.rounds):
-        for name, src in trees.items():
-            env = {**os.environ, "PYTHONPATH": src}
-            cmd = [sys.executable, __file__, "--child", "--values", str(args.values)]
-            done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-            got[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    got = trees.alternate(__file__, ["--values", str(args.values)], args.rounds, args.compare)
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print(f"{'tree':>6} {'phase':>6} {'enum s':>16} {'chat median s':>14} {'chat worst s':>13}")
     for name, runs in got.items():

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
+
+import trees
 
 
 def measure(reps: int) -> dict[str, list[float]]:
@@ -60,31 +60,21 @@ def measure(reps: int) -> dict[str, list[float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--compare", default=None, help="another tree's src/ to alternate with")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    trees.add_arguments(ap, rounds=3)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(args.reps)))
         return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-    trees = {"this": os.path.abspath(here)}
-    if args.compare:
-        trees["other"] = os.path.abspath(args.compare)
-    got: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
-    for _ in range(args.rounds):
-        for name, src in trees.items():
-            env = {**os.environ, "PYTHONPATH": src}
-            cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps)]
-            res = json.loads(
-                subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-            )
+    runs = trees.alternate(__file__, ["--reps", str(args.reps)], args.rounds, args.compare)
+    got: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+    for name, results in runs.items():
+        for res in results:
             for k, v in res.items():
                 got[name].setdefault(k, []).extend(v)
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print(f"{'tree':>6} {'scenario':>8} {'min us':>9} {'median us':>10} {'n':>6}")
-    for name in trees:
-        for k, v in got[name].items():
+    for name, scenarios in got.items():
+        for k, v in scenarios.items():
             print(f"{name:>6} {k:>8} {min(v):9.0f} {statistics.median(v):10.0f} {len(v):6d}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -583,19 +584,27 @@ def test_a_grammar_step_past_its_budget_fails_the_sample(monkeypatch: pytest.Mon
         model.close()
 
 
+def _calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """The texts ``grammar_cost.<name>`` is called with from here on (it still runs)."""
+    import kvwarm.backends.grammar_cost as grammar_cost
+
+    texts: list[str] = []
+    original = getattr(grammar_cost, name)
+
+    def recorded(text: str) -> Any:
+        texts.append(text)
+        return original(text)
+
+    monkeypatch.setattr(grammar_cost, name, recorded)
+    return texts
+
+
 def test_a_grammar_prepared_before_is_not_prepared_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Agents send the same tools and response format every turn: a 100,000-value enum's
     preparation (seconds of Python, holding the GIL) runs once, not at every turn."""
     import kvwarm.backends.grammar_cost as grammar_cost
 
-    factored: list[str] = []
-    original = grammar_cost.factor_literal_rules
-
-    def counted(text: str) -> str:
-        factored.append(text)
-        return original(text)
-
-    monkeypatch.setattr(grammar_cost, "factor_literal_rules", counted)
+    factored = _calls(monkeypatch, "factor_literal_rules")
     monkeypatch.setattr(grammar_cost, "_CHEAP", grammar_cost.TextMemo(1 << 20))
     values = " | ".join(f'"v{i}"' for i in range(300))
     first = cheap_grammar(f"root ::= {values}")
@@ -655,14 +664,7 @@ def test_a_prepared_grammar_is_not_checked_again_on_the_worker(
     import kvwarm.backends.grammar_cost as grammar_cost
     from kvwarm.backends.grammar_cost import TextMemo, check_grammar_safe
 
-    checked: list[str] = []
-    original = grammar_cost.check_left_recursion
-
-    def counted(text: str) -> None:
-        checked.append(text)
-        original(text)
-
-    monkeypatch.setattr(grammar_cost, "check_left_recursion", counted)
+    checked = _calls(monkeypatch, "check_left_recursion")
     monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0))
     prepared = cheap_grammar('root ::= "a" | "b"')
     check_grammar_safe(prepared)
@@ -691,14 +693,7 @@ def test_a_schema_is_prepared_once_per_tenant(monkeypatch: pytest.MonkeyPatch) -
     import kvwarm.backends.grammar_cost as grammar_cost
     from kvwarm.backends.grammar_cost import TextMemo
 
-    prepared: list[str] = []
-    original = grammar_cost.factor_literal_rules
-
-    def counted(text: str) -> str:
-        prepared.append(text)
-        return original(text)
-
-    monkeypatch.setattr(grammar_cost, "factor_literal_rules", counted)
+    prepared = _calls(monkeypatch, "factor_literal_rules")
     schema = {"type": "string", "enum": [f"v{i}" for i in range(50)]}
     chat = {
         "model": "a",
@@ -755,14 +750,7 @@ def test_a_kept_grammar_is_not_checked_again_whatever_other_tenants_sent(
     import kvwarm.backends.grammar_cost as grammar_cost
     from kvwarm.backends.grammar_cost import TextMemo, check_grammar_safe
 
-    checked: list[str] = []
-    original = grammar_cost.check_left_recursion
-
-    def counted(text: str) -> None:
-        checked.append(text)
-        original(text)
-
-    monkeypatch.setattr(grammar_cost, "check_left_recursion", counted)
+    checked = _calls(monkeypatch, "check_left_recursion")
     monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
     monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0, max_entries=2))
     mine = 'root ::= "a" | "b"'
@@ -865,14 +853,7 @@ def test_a_request_s_grammar_is_parsed_once_not_again_by_its_samplers(
     from kvwarm.backends.grammar_cost import TextMemo
     from kvwarm.engine.types import GenerationOptions
 
-    parsed: list[str] = []
-    original = grammar_cost._parse
-
-    def counted(text: str) -> dict[str, list[list[tuple[str, object, tuple[int, int]]]]]:
-        parsed.append(text)
-        return original(text)
-
-    monkeypatch.setattr(grammar_cost, "_parse", counted)
+    parsed = _calls(monkeypatch, "_parse")
     monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
     monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0))
     engine = make_engine()
