@@ -119,3 +119,47 @@ def test_banning_every_token_the_grammar_allows_says_so(
     )
     with pytest.raises(GrammarError, match="ignore_eos where the grammar's text is complete"):
         _generate(model, ctx, params, 2)
+
+
+def test_a_pass_over_the_vocabulary_stops_no_one_else_using_the_model(
+    model: BackendModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first grammar's sampler reads the whole vocabulary (``unspoken_tokens``): two
+    ctypes calls a token, each waiting for the GIL again, so beside a thread preparing a
+    large grammar SmolLM2's pass took 9 s. It held the model's lock all along, and every
+    tokenize and sampler of the model, the worker's too, waited: a chat beside it took 9 s.
+    Held midway here, the pass lets another thread tokenize and build and free a sampler."""
+    import threading
+
+    lib = model._lib  # type: ignore[attr-defined]
+    inside, go = threading.Event(), threading.Event()
+
+    class Gated:
+        def __getattr__(self, name: str) -> object:
+            return getattr(lib, name)
+
+        def llama_vocab_is_eog(self, vocab: object, token: int) -> bool:
+            if token == 100:
+                inside.set()
+                assert go.wait(60), "the test never let the pass go on"
+            return bool(lib.llama_vocab_is_eog(vocab, token))
+
+    monkeypatch.setattr(model, "_lib", Gated())
+    read: list[tuple[tuple[bytes, ...], frozenset[int]]] = []
+    reader = threading.Thread(target=lambda: read.append(model.vocabulary()))
+    reader.start()
+    served = threading.Event()
+
+    def other() -> None:
+        assert model.tokenize("Say hi.")
+        model.new_sampler(SamplingParams(temperature=0.0)).close()
+        served.set()
+
+    try:
+        assert inside.wait(60), "the pass never reached token 100"
+        threading.Thread(target=other, daemon=True).start()
+        assert served.wait(60), "tokenize or a sampler waited for the vocabulary pass"
+    finally:
+        go.set()
+        reader.join(60)
+    assert len(read[0][0]) == model.facts.n_vocab

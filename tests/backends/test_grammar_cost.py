@@ -4,6 +4,7 @@ compiles it; ordinary grammars pass."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -866,3 +867,56 @@ def test_a_request_s_grammar_is_parsed_once_not_again_by_its_samplers(
         assert len(parsed) == 1, parsed
     finally:
         engine.close()
+
+
+class _RecordedTurns(threading.Semaphore):
+    """A semaphore that says when its second taker asks for it."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.asked = 0
+        self.second = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        self.asked += 1
+        if self.asked == 2:
+            self.second.set()
+        return super().acquire(blocking, timeout)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+
+def test_large_preparations_take_turns_and_one_made_meanwhile_is_found() -> None:
+    """A large text is prepared only in its turn (one at a time: their Python holds the GIL,
+    and a 100,000-value enum's peaks at ~250 MB), and the same schema sent twice at once is
+    prepared once: the second finds it kept when its turn comes. A short one takes no turn."""
+    from kvwarm.backends.grammar_cost import LARGE_TEXT_CHARS, TextMemo
+
+    turns = _RecordedTurns()
+    memo = TextMemo(1 << 24, turns=turns)
+    inside, go = threading.Event(), threading.Event()
+    made: list[str] = []
+
+    def make(text: str) -> str:
+        made.append(text)
+        inside.set()
+        assert go.wait(30)
+        return text.upper()
+
+    large = "x" * LARGE_TEXT_CHARS
+    got: list[str] = []
+    first = threading.Thread(target=lambda: got.append(memo.get(large, make)))
+    first.start()
+    assert inside.wait(30)
+    second = threading.Thread(target=lambda: got.append(memo.get(large, make)))
+    second.start()
+    try:
+        assert turns.second.wait(30), "the second request never asked for a turn"
+    finally:
+        go.set()
+        first.join(30)
+        second.join(30)
+    assert got == [large.upper()] * 2 and made == [large]
+    memo.get("y" * (LARGE_TEXT_CHARS - 1), str.upper)
+    assert turns.asked == 2  # short: no turn taken

@@ -22,7 +22,12 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import cast
 
-from kvwarm.backends.grammar_cost import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_REPEATS, TextMemo
+from kvwarm.backends.grammar_cost import (
+    LARGE_TURNS,
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_REPEATS,
+    TextMemo,
+)
 from kvwarm.errors import GrammarError
 
 _MODULE_NAME = "kvwarm.backends._llama_grammar"
@@ -662,7 +667,7 @@ def _converting(convert: Callable[[], str]) -> str:
 
 #: ``schema_to_gbnf``'s results by the schema's JSON text (the same checks and converter run
 #: on the same text give the same grammar): a 100,000-value enum converts in ~0.8 s.
-_CONVERTED = TextMemo(8 * MAX_GRAMMAR_BYTES)
+_CONVERTED = TextMemo(8 * MAX_GRAMMAR_BYTES, turns=LARGE_TURNS)
 
 
 def schema_to_gbnf(schema: Mapping[str, object] | str, scope: bytes | None = None) -> str:

@@ -32,6 +32,8 @@ from kvwarm.errors import GrammarError
 
 __all__ = [
     "DEFAULT_MAX_GRAMMAR_WAYS",
+    "LARGE_TEXT_CHARS",
+    "LARGE_TURNS",
     "MAX_EMPTY_REPEATS",
     "MAX_GRAMMAR_BYTES",
     "MAX_GRAMMAR_DEPTH",
@@ -339,21 +341,37 @@ def _ways(rules: dict[str, _Expr], limit: int) -> tuple[dict[str, int], list[str
     return ways, order
 
 
+#: A text at least this long is prepared only in its turn (``TextMemo``'s ``turns``).
+LARGE_TEXT_CHARS = 64 << 10
+#: The turn of large preparations: one at a time. Their Python holds the GIL, so threads
+#: never ran two at once anyway, and each one in the queue for the GIL slowed the model's
+#: worker more (it waits for the GIL between native calls); a 100,000-value enum's peaks at
+#: ~250 MB, so Starlette's 40 request threads preparing distinct ones held ~10 GB. Waiting
+#: for its turn, a request holds neither.
+LARGE_TURNS = threading.Semaphore(1)
+
+
 class TextMemo:
     """A text-to-text function's results, the most recently used first, within ``max_chars``
     of results: the same text is not prepared again. Keyed by a digest of the text (a 2 MB
     grammar is not kept twice) and a ``scope``: the request's cache salt, so that one tenant
     cannot learn by a reply's speed that another sent some schema (as salts keep cached
-    prompts apart). Failures are not kept. Thread-safe; two threads preparing one text at once
-    both compute it.
+    prompts apart). Failures are not kept. Thread-safe; two threads preparing one short text
+    at once both compute it. With ``turns``, a text of ``LARGE_TEXT_CHARS`` or more is made
+    only holding one of them, and one made meanwhile (the same schema sent twice at once) is
+    then found kept; ``make`` must not wait for a turn itself. Never give ``turns`` to a memo
+    the model's worker reads: it must not wait behind requests' preparations.
 
     Agents send the same tools and response format every turn: their grammar's preparation
     is Python on the request's thread, and a large one (a 100,000-value enum: ~3 s) holds the
     GIL, slowing every other request's decode, each time it is sent."""
 
-    def __init__(self, max_chars: int, max_entries: int = 4096) -> None:
+    def __init__(
+        self, max_chars: int, max_entries: int = 4096, turns: threading.Semaphore | None = None
+    ) -> None:
         self.max_chars = max_chars
         self.max_entries = max_entries
+        self._turns = turns
         self._lock = threading.Lock()
         self._kept: OrderedDict[bytes, str] = OrderedDict()
         self._chars = 0
@@ -361,15 +379,27 @@ class TextMemo:
 
     def get(self, text: str, make: Callable[[str], str], scope: bytes = b"") -> str:
         key = _digest(text, scope)
+        kept = self._kept_as(key)
+        if kept is not None:
+            return kept
+        if self._turns is None or len(text) < LARGE_TEXT_CHARS:
+            made = make(text)
+        else:
+            with self._turns:
+                kept = self._kept_as(key)  # made while this one waited for its turn
+                if kept is not None:
+                    return kept
+                made = make(text)
+        self._keep(key, made)
+        return made
+
+    def _kept_as(self, key: bytes) -> str | None:
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:
                 self._kept.move_to_end(key)
                 self.hits += 1
-                return kept
-        made = make(text)
-        self._keep(key, made)
-        return made
+            return kept
 
     def put(self, text: str, made: str) -> None:
         """Keep ``made`` as ``text``'s result (found by other means than ``get``'s)."""
@@ -398,7 +428,7 @@ def _digest(text: str, scope: bytes = b"") -> bytes:
 
 
 #: ``cheap_grammar``'s results: 8 grammars of ``MAX_GRAMMAR_BYTES``, thousands of common ones.
-_CHEAP = TextMemo(8 * MAX_GRAMMAR_BYTES)
+_CHEAP = TextMemo(8 * MAX_GRAMMAR_BYTES, turns=LARGE_TURNS)
 
 
 def cheap_grammar(text: str, scope: bytes | None = None) -> str:

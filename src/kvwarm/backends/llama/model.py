@@ -477,15 +477,21 @@ class LlamaModel:
         return self._pieces(special=True)
 
     def _pieces(self, *, special: bool) -> tuple[tuple[bytes, ...], frozenset[int]]:
-        # One buffer, one lock, two plain calls a token: Gemma 3's 262,144 tokens in ~0.3 s,
-        # where token_to_piece and is_eog per token took ~1 s a model (measured).
+        # One buffer, two plain calls a token: Gemma 3's 262,144 tokens in ~0.3 s, where
+        # token_to_piece and is_eog per token took ~1 s a model (measured). The model is held
+        # as a dependent (it cannot be freed meanwhile), not under its lock: every ctypes call
+        # waits for the GIL again, so beside a thread preparing a large grammar (Python that
+        # holds it) SmolLM2's pass took 9 s, and the lock held that long stopped every
+        # tokenize and sampler of the model, the worker's too (a chat beside it waited 9 s).
+        # The vocabulary is only read, as concurrent tokenizes read it.
         lib, vocab = self._lib, self._vocab
         to_piece, eog_of = lib.llama_token_to_piece, lib.llama_vocab_is_eog
         capacity = 256
         buf = ctypes.create_string_buffer(capacity)
         pieces: list[bytes] = []
         eog: list[int] = []
-        with self._life.using():
+        self._life.acquire()
+        try:
             for token in range(self._n_vocab):
                 n = int(to_piece(vocab, token, buf, capacity, 0, special))
                 if n < 0:  # longer than the buffer: asked again with room for it
@@ -498,6 +504,8 @@ class LlamaModel:
                     pieces.append(ctypes.string_at(buf, n))
                 if eog_of(vocab, token):
                     eog.append(token)
+        finally:
+            self._life.release()
         return tuple(pieces), frozenset(eog)
 
     def unspoken_tokens(self) -> tuple[int, ...]:
