@@ -345,9 +345,11 @@ def _ways(rules: dict[str, _Expr], limit: int) -> tuple[dict[str, int], list[str
 LARGE_TEXT_CHARS = 64 << 10
 #: The turn of large preparations: one at a time. Their Python holds the GIL, so threads
 #: never ran two at once anyway, and each one in the queue for the GIL slowed the model's
-#: worker more (it waits for the GIL between native calls); a 100,000-value enum's peaks at
-#: ~250 MB, so Starlette's 40 request threads preparing distinct ones held ~10 GB. Waiting
-#: for its turn, a request holds neither.
+#: worker more (it waits for the GIL between native calls). Memory: a 100,000-value enum's
+#: preparation allocates up to ~250 MB (tracemalloc); four distinct ones at once raised the
+#: process's peak by 300-430 MiB, one at a time by 270-290 (``bench/hostile_schema.py
+#: --crowd 4``), and Starlette runs up to 40 request threads. Waiting, a request holds no
+#: more than its schema.
 LARGE_TURNS = threading.Semaphore(1)
 
 
