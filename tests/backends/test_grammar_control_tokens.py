@@ -8,7 +8,8 @@ grammar allows (``ignore_eos`` once its text is complete), the error says that."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -121,33 +122,34 @@ def test_banning_every_token_the_grammar_allows_says_so(
         _generate(model, ctx, params, 2)
 
 
-def test_a_pass_over_the_vocabulary_stops_no_one_else_using_the_model(
-    model: BackendModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first grammar's sampler reads the whole vocabulary (``unspoken_tokens``): two
-    ctypes calls a token, each waiting for the GIL again, so beside a thread preparing a
-    large grammar SmolLM2's pass took 9 s. It held the model's lock all along, and every
-    tokenize and sampler of the model, the worker's too, waited: a chat beside it took 9 s.
-    Held midway here, the pass lets another thread tokenize and build and free a sampler."""
-    import threading
+class _Gated:
+    """The model's native library, with ``name`` held (at ``inside``, until ``go``) on the
+    call whose arguments ``when`` picks."""
 
-    lib = model._lib  # type: ignore[attr-defined]
-    inside, go = threading.Event(), threading.Event()
+    def __init__(self, lib: object, name: str, when: Callable[..., bool]) -> None:
+        self._lib, self._name, self._when = lib, name, when
+        self.inside, self.go = threading.Event(), threading.Event()
 
-    class Gated:
-        def __getattr__(self, name: str) -> object:
-            return getattr(lib, name)
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._lib, name)
+        if name != self._name:
+            return real
 
-        def llama_vocab_is_eog(self, vocab: object, token: int) -> bool:
-            if token == 100:
-                inside.set()
-                assert go.wait(60), "the test never let the pass go on"
-            return bool(lib.llama_vocab_is_eog(vocab, token))
+        def held(*args: object) -> object:
+            if self._when(*args):
+                self.inside.set()
+                assert self.go.wait(60), "the test never let the call go on"
+            return real(*args)
 
-    monkeypatch.setattr(model, "_lib", Gated())
-    read: list[tuple[tuple[bytes, ...], frozenset[int]]] = []
-    reader = threading.Thread(target=lambda: read.append(model.vocabulary()))
-    reader.start()
+        return held
+
+
+def _served_beside(model: BackendModel, gated: _Gated, hold: Callable[[], object]) -> object:
+    """``hold()``'s result, run where ``gated`` holds it midway, while another thread
+    tokenizes and builds and frees a sampler of the same model: which must not wait."""
+    done: list[object] = []
+    holder = threading.Thread(target=lambda: done.append(hold()))
+    holder.start()
     served = threading.Event()
 
     def other() -> None:
@@ -156,10 +158,36 @@ def test_a_pass_over_the_vocabulary_stops_no_one_else_using_the_model(
         served.set()
 
     try:
-        assert inside.wait(60), "the pass never reached token 100"
+        assert gated.inside.wait(60), "the held call was never reached"
         threading.Thread(target=other, daemon=True).start()
-        assert served.wait(60), "tokenize or a sampler waited for the vocabulary pass"
+        assert served.wait(60), "tokenize or a sampler waited for the held call"
     finally:
-        go.set()
-        reader.join(60)
-    assert len(read[0][0]) == model.facts.n_vocab
+        gated.go.set()
+        holder.join(60)
+    return done[0]
+
+
+def test_a_pass_over_the_vocabulary_stops_no_one_else_using_the_model(
+    model: BackendModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first grammar's sampler reads the whole vocabulary (``unspoken_tokens``): two
+    ctypes calls a token, each waiting for the GIL again, so beside a thread preparing a
+    large grammar SmolLM2's pass took 9 s. It held the model's lock all along, and every
+    tokenize and sampler of the model, the worker's too, waited: a chat beside it took 9 s.
+    Held midway here, the pass lets another thread tokenize and build and free a sampler."""
+    gated = _Gated(model._lib, "llama_vocab_is_eog", lambda _vocab, token: token == 100)  # type: ignore[attr-defined]
+    monkeypatch.setattr(model, "_lib", gated)
+    pieces, _ = _served_beside(model, gated, model.vocabulary)  # type: ignore[misc]
+    assert len(pieces) == model.facts.n_vocab
+
+
+def test_a_grammar_compile_stops_no_one_else_using_the_model(
+    model: BackendModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampler's grammar compiled under the model's lock: a large one took ~0.3 s on a
+    request's thread, and the model's tokenizes and the worker's samplers waited for it."""
+    gated = _Gated(model._lib, "llama_sampler_init_grammar", lambda *_: True)  # type: ignore[attr-defined]
+    monkeypatch.setattr(model, "_lib", gated)
+    params = SamplingParams(temperature=0.0, grammar='root ::= "yes" | "no"')
+    sampler = _served_beside(model, gated, lambda: model.new_sampler(params))
+    sampler.close()  # type: ignore[attr-defined]

@@ -96,9 +96,12 @@ class LlamaSampler:
         self._chain: object = None
         self._grammar: object = None
         try:
-            with model.lifetime.using():
-                self._grammar = self._build_grammar(params)
-                self._chain = self._build_chain(params)
+            # A dependent of the model from here (it cannot be freed meanwhile), not under its
+            # lock: compiling a large grammar took ~0.3 s on a request's thread, in which the
+            # model's tokenizes and the worker's sampler builds and frees would have waited.
+            # The compile only reads the vocabulary.
+            self._grammar = self._build_grammar(params)
+            self._chain = self._build_chain(params)
         except BaseException:
             self._free_native()
             model.lifetime.release()
