@@ -45,23 +45,32 @@ def test_readers_never_see_a_torn_tree() -> None:
     done = threading.Event()
     errors: list[str] = []
     answered = [0]
+    queries = [0]  # every query a reader finished, matched or not
+    progress = threading.Condition()
 
     def writer() -> None:
         wr = random.Random(2)
         live: list[tuple[int, ...]] = []
         try:
-            steps = 0
-            # On a busy host the writer's 20,000 steps can end before a reader runs at all:
-            # it goes on mutating until the readers have had their answers (bounded).
-            while steps < 20_000 or (answered[0] <= 100 and steps < 5_000_000):
-                steps += 1
-                if live and wr.random() < 0.45:
-                    toks = live.pop(wr.randrange(len(live)))
-                    idx.remove(cache_key(NS, toks))
-                else:
-                    toks = wr.choice(universe)
-                    if idx.adopt(_row(toks)):
-                        live.append(toks)
+            bursts = 0
+            # Bursts of mutations, each followed by a wait for both readers to finish a query.
+            # A reader that a write raced asks again under the index's lock, and a lock does
+            # not pass to its waiters fairly: a writer that took it again at once kept the
+            # readers waiting through whole runs (pinned to one core in a loaded test worker:
+            # answered 0 after 120 s). The races happen inside the bursts.
+            while bursts < 40 or (answered[0] <= 100 and bursts < 400):
+                bursts += 1
+                for _ in range(500):
+                    if live and wr.random() < 0.45:
+                        toks = live.pop(wr.randrange(len(live)))
+                        idx.remove(cache_key(NS, toks))
+                    else:
+                        toks = wr.choice(universe)
+                        if idx.adopt(_row(toks)):
+                            live.append(toks)
+                with progress:
+                    target = queries[0] + 2
+                    assert progress.wait_for(lambda t=target: queries[0] >= t, 60), "readers stuck"
         finally:
             done.set()
 
@@ -70,14 +79,16 @@ def test_readers_never_see_a_torn_tree() -> None:
         while not done.is_set():
             q = tuple(rr.randrange(3) for _ in range(rr.randrange(0, 14)))
             m = idx.longest(NS, q, 0)
-            if m is None:
-                continue
-            toks = by_key[m.row.key]
-            n = m.n_shared
-            ok = toks[:n] == q[:n] and (n == len(toks) or n == len(q) or toks[n] != q[n])
-            if not ok:
-                errors.append(f"query {q} got {toks} sharing {n}")
-            answered[0] += 1
+            if m is not None:
+                toks = by_key[m.row.key]
+                n = m.n_shared
+                ok = toks[:n] == q[:n] and (n == len(toks) or n == len(q) or toks[n] != q[n])
+                if not ok:
+                    errors.append(f"query {q} got {toks} sharing {n}")
+                answered[0] += 1
+            with progress:
+                queries[0] += 1
+                progress.notify_all()
 
     threads = [threading.Thread(target=reader, args=(s,)) for s in (10, 11)]
     w = threading.Thread(target=writer)
@@ -92,5 +103,6 @@ def test_readers_never_see_a_torn_tree() -> None:
             t.join(10)
     finally:
         sys.setswitchinterval(old_interval)
+    assert not w.is_alive() and not any(t.is_alive() for t in threads)
     assert not errors, errors[:3]
     assert answered[0] > 100
