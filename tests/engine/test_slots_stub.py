@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -59,9 +60,18 @@ def test_cancelling_one_slot_leaves_the_others_unchanged() -> None:
         model = eng.load_model(config=cfg)
         long = GenerationOptions(max_tokens=100, temperature=0.0, stop=(), ignore_eos=True)
         streams = [model.stream(p, OPTS if i != 1 else long) for i, p in enumerate(prompts)]
-        backend.gate.step(4)  # every prefill and a first token each; the worker is held
         victim = iter(streams[1])
-        assert next(victim)
+        got = threading.Event()
+        taker = threading.Thread(target=lambda: (next(victim), got.set()), daemon=True)
+        taker.start()
+        # One pass at a time until the victim's first text is out; the worker is then held.
+        # A fixed 4 passes ("every prefill and a first token each") once fell short of it and
+        # the test hung (how the prefills were batched depends on when the worker woke).
+        for _ in range(20):
+            if got.is_set():
+                break
+            backend.gate.step(1)
+        assert got.wait(30), "the victim's first text never came"
         streams[1].cancel()  # cancelled mid-stream, while the others are mid-stream too
         backend.gate.set()
         for _ in victim:
