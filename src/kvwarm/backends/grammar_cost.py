@@ -440,9 +440,10 @@ def cheap_grammar(text: str, scope: bytes | None = None) -> str:
     the same ``scope`` (a cache salt) is not prepared again (``TextMemo``)."""
     _check_length(text)
     made = _CHEAP.get(text, _cheap, scope or b"")
-    # Checked when it was made: its samplers need not check it again, whatever other texts
-    # have pushed it out of ``_SAFE`` since. Else a tenant's sampler would check it again or
-    # not as another tenant had just sent the same text, which its reply's speed would tell.
+    # Checked when it was made (``check_grammar_cost`` runs ``check_grammar_safe``'s checks):
+    # its samplers need not check it again, whatever other texts have pushed it out of
+    # ``_SAFE`` since. Else a tenant's sampler would check it again or not as another tenant
+    # had just sent the same text, which its reply's speed would tell.
     _SAFE.put(made, "")
     return made
 
@@ -462,8 +463,9 @@ def check_grammar_safe(text: str) -> None:
     ``MAX_GRAMMAR_DEPTH`` (its parser overflows its stack), elements that abort the process,
     repeats past ``MAX_GRAMMAR_REPEATS`` (rules until out of memory), code points it writes as
     bytes, a left recursion through rules that can be empty (its compile loops for ever).
-    Every backend's sampler checks it, whoever calls it. A text that passed (here, or in
-    ``check_grammar_cost``, which runs the same checks) is not checked again: the request's
+    Every backend's sampler checks it, whoever calls it. A text that passed (here, or came
+    out of ``cheap_grammar``, whose ``check_grammar_cost`` runs the same checks) is not
+    checked again: the request's
     thread prepared it, and on the model's worker a 100,000-value enum's checks took ~1.4 s
     in which no other request decoded. Not scoped by tenant: a request's own preparation
     (``cheap_grammar``, scoped) has run these checks, or marks its kept result checked
@@ -701,11 +703,9 @@ def check_grammar_cost(
     try:
         rules = _parse(text)
     except (_UnparsableError, RecursionError):
-        _SAFE.put(text, "")  # as check_left_recursion: unparsed, left to llama.cpp's parser
         return
     nullable = _nullable(rules)  # found once, for every check below
     _check_left_recursion(rules, nullable)  # on the rules parsed once, not its own parse
-    _SAFE.put(text, "")  # check_grammar_safe's checks all passed
     try:
         ways, order = _ways(rules, limit)
     except (_UnparsableError, RecursionError):
