@@ -22,7 +22,8 @@ from tests.conftest import FREE_DRAFT_PASSES
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
-from kvwarm.backends.llama import model_file
+from kvwarm.backends.llama import kv_layout, model_file
+from kvwarm.buffers import u8
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import MAX_DRAFT_TOKENS, Completion, GenerationOptions
@@ -467,6 +468,91 @@ def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> No
         assert drafted.completion_tokens == one.completion_tokens
         assert drafted.logprobs == one.logprobs
     assert sum(done.stats.accepted_tokens for done in spec) >= 40
+
+
+class _Calls:
+    """Records a context's ``decode`` calls (patched on the instance: the sampler takes only
+    a ``LlamaContext``): how many slots each call verifies a draft of (more than one row of
+    logits)."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self._ctx, self._decode, self.verifying = ctx, ctx.decode, list[int]()
+
+    def __enter__(self) -> _Calls:
+        self._ctx.decode = self._record  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._ctx.decode  # type: ignore[attr-defined]
+
+    def _record(self, batch: list[BatchToken]) -> None:
+        rows: dict[int, int] = {}
+        for t in batch:
+            rows[t.seq] = rows.get(t.seq, 0) + t.logits
+        self.verifying.append(sum(count > 1 for count in rows.values()))
+        self._decode(batch)
+
+
+@pytest.mark.slow
+def test_slots_verify_together_without_spec_exact_and_keep_each_sequence_whole() -> None:
+    """``spec_exact=False`` (what a GPU needs to speculate at all): three requests at once
+    verify their drafts in shared calls, not a call each. Cell order is then not kept, so a
+    near tie may flip, as on a GPU; what must hold is that nothing else changes: each slot's
+    KV holds exactly its tokens' cells (no rejected cell left), and each reply is, token by
+    token, what a cold pass over prompt and reply picks there or a near tie of it."""
+    texts = [
+        CODE,
+        '{"name": "Ada", "age": 36, "langs": ["en", "fr"], "city": "London", "job": "analyst"}',
+        "The harbour light turns every night at nine, and the keeper writes it down in a book.",
+    ]
+    chats = [[{"role": "user", "content": f"Repeat this exactly:\n\n{text}"}] for text in texts]
+    with generous_engine() as engine:
+        context = ContextParams(
+            n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
+        )
+        config = ModelConfig(
+            context=context, spec_type="ngram-simple", spec_ngram_n=3, spec_draft_max=32,
+            n_parallel=3, spec_exact=False,
+        )  # fmt: skip
+        model = engine.load_model(config=config)
+        rt = model._worker.rt
+        assert rt.cfg.verify_together
+        opts = GenerationOptions(max_tokens=60, temperature=0.0)
+        gate = threading.Event()
+        with _Calls(rt.ctx) as calls:
+            # Admitted in one tick: the worker is held until all three are queued.
+            held = model._worker.call(gate.wait)
+            streams = [
+                model.stream_chat(chat, options=opts, cache_salt=f"t{i}")
+                for i, chat in enumerate(chats)
+            ]
+            gate.set()
+            held.result()
+            done = [stream.result() for stream in streams]
+
+        def held_cells() -> list[tuple[int, int, int]]:
+            out = []
+            for slot in rt.slots:
+                layout = kv_layout.parse_blob(u8(rt.ctx.kv_pack(slot.seq)))
+                out.append((len(slot.kv_tokens), layout.n_cells, rt.ctx.seq_pos_max(slot.seq)))
+            return out
+
+        for tokens, cells, top in model._worker.call(held_cells).result():
+            assert cells == tokens and top == tokens - 1
+        assert max(calls.verifying) >= 2, "no call verified two slots' drafts"
+        assert all(one.stats.accepted_tokens > 0 for one in done)
+        for i, one in enumerate(done):
+            cold = model.complete(
+                [*one.prompt_tokens, *one.completion_tokens],
+                GenerationOptions(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                spec_type="none",
+                cache_salt=f"cold{i}",
+            )
+            assert cold.prompt_logprobs is not None
+            scored = cold.prompt_logprobs[len(one.prompt_tokens) - 1 :]
+            for token, entry in zip(one.completion_tokens, scored, strict=False):
+                assert entry.token == token
+                assert entry.logprob >= entry.top[0][2] - 1.0, (i, token, entry)
 
 
 @pytest.mark.slow

@@ -561,6 +561,37 @@ def test_one_verify_pass_a_call_its_rows_last(engine: Engine) -> None:
         assert done.completion_tokens == alone.completion_tokens
 
 
+def test_slots_verify_together_where_replies_need_not_be_plain_decodings(engine: Engine) -> None:
+    """``spec_exact = false`` (what a GPU needs to speculate at all): three slots speculating
+    at once verify their drafts in one call, each slot's rows together and wanting logits,
+    instead of a call each; cell order is then not kept, which the stub does not model, so
+    its replies are still each request's alone."""
+    model = engine.load_model(config=spec_config(n_parallel=3, spec_exact=False))
+    assert model._worker.rt.cfg.verify_together
+    batches: list[list[BatchToken]] = []
+    rt = model._worker.rt
+    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
+    prompts = [PROMPT, PROMPT.replace("Copy", "Echo"), PROMPT.replace("Copy", "Take")]
+    streams = [model.stream(prompt, GREEDY) for prompt in prompts]
+    together = [stream.result() for stream in streams]
+    assert all(done.stats.accepted_tokens > 20 for done in together)
+    shared = 0
+    for batch in batches:
+        rows = Counter(t.seq for t in batch if t.logits)
+        drafts = [seq for seq, count in rows.items() if count > 1]
+        for seq in drafts:  # a slot's rows lie together, in position order
+            at = [j for j, t in enumerate(batch) if t.seq == seq]
+            assert at == list(range(at[0], at[0] + len(at)))
+            first = batch[at[0]].pos
+            assert [batch[j].pos for j in at] == list(range(first, first + len(at)))
+        shared += len(drafts) > 1
+    assert shared > 0, "no call verified two slots' drafts"
+    for done, prompt in zip(together, prompts, strict=True):
+        model.evict()
+        alone = model.complete(prompt, GREEDY, spec_type="none")
+        assert done.completion_tokens == alone.completion_tokens
+
+
 def test_a_sliding_windows_verify_pass_is_never_split_over_ubatches(engine: Engine) -> None:
     """A full-size window (``swa_full``), calls of up to 64 tokens in ubatches of 16: a verify
     pass split over two ubatches let llama.cpp give the later one a cell masked only for the

@@ -462,6 +462,7 @@ class Model:
                 spec_ngram_n=cfg.spec_ngram_n,
                 spec_draft_max=cfg.spec_draft_max,
                 speculates=not spec.startswith("off"),
+                verify_together=not cfg.spec_exact and self._ctx.memory.trimmable,
             ),
             self._links.namespace,
             self._links.resolve,

@@ -214,7 +214,7 @@ class ModelSettings(BaseSettings):
         description="speculate only where a greedy reply stays bit for bit plain decoding's "
         "(/v1/models' meta.speculative.exact: 'at any length'); false: also where a verify "
         "pass's rows may differ from one-token passes in their last bits (llama-server's way: "
-        "f16 KV past 256 cells on the CPU, a GPU)",
+        "f16 KV past 256 cells on the CPU, a GPU), and several slots' drafts share one pass",
     )
     max_queue: Int = Field(
         default=256,

@@ -59,6 +59,12 @@ class WorkerConfig:
     spec_ngram_n: int = 4
     spec_draft_max: int = 48
     speculates: bool = True
+    #: Several slots' verify passes share one call only where this is True: the model need
+    #: not keep speculation's replies plain decoding's (``spec_exact`` false, which a GPU
+    #: needs to speculate at all) and its memory is full attention. Elsewhere, in one unified
+    #: KV buffer, each further verify pass takes a call of its own, so that every sequence's
+    #: cells stay in position order (``Tick._run_call``).
+    verify_together: bool = False
 
 
 @dataclass(slots=True)

@@ -359,13 +359,14 @@ class Tick:
                 self._run_call(group_slots, group_chunks)
             return
         drafting = [i for i in decode_slots if self._drafting(i)]
-        if len(drafting) > 1 and self.rt.ctx.params.kv_unified:
+        if len(drafting) > 1 and self.rt.ctx.params.kv_unified and not self.rt.cfg.verify_together:
             # One verify pass a call, its rows last (``_batch``), so that its rejected cells
             # are the top of the cells in use when they are removed: in one unified KV buffer
             # another slot's rows placed after them would otherwise take the freed cells in
             # the next pass, below that slot's earlier cells, and attention adds cells in
             # cell order (docs/internals.md, "Cell order is numerics"): its logits then
-            # differed from plain decoding's (found by specrev's review).
+            # differed from plain decoding's (found by specrev's review). A model that need
+            # not keep replies plain decoding's (``verify_together``) verifies them together.
             rest = set(drafting[1:])
             self._run_call([i for i in decode_slots if i not in rest], chunks)
             for i in drafting[1:]:
