@@ -769,6 +769,58 @@ def test_a_kept_grammar_is_not_checked_again_whatever_other_tenants_sent(
             cheap_grammar(f'root ::= "d{i}"', b"tenant-b")
 
 
+def test_a_prepared_grammar_pushed_out_meanwhile_is_not_checked_again_on_its_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a request's grammar waits in the queue between its preparation and
+    its worker's sampler; once others' grammars had pushed it out of the checked memo
+    meanwhile, its worker ran the checks again (~1.4 s of a 100,000-value enum, in which no
+    one decoded), unless another tenant had just sent the same text: its reply's speed told
+    whether one had. What ``cheap_grammar`` returns is checked, wherever the memo stands."""
+    import kvwarm.backends.grammar_cost as grammar_cost
+    from kvwarm.backends.grammar_cost import TextMemo, check_grammar_safe
+
+    checked = _calls(monkeypatch, "check_left_recursion")
+    monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
+    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0, max_entries=2))
+    mine = 'root ::= "a" | "b"'
+    for other in (None, b"tenant-c"):
+        prepared = cheap_grammar(mine, b"tenant-a")  # the request's thread
+        for i in range(2):  # queued meanwhile: other tenants' grammars take the memo's room
+            cheap_grammar(f'root ::= "c{i}-{other!r}"', b"tenant-b")
+        if other is not None:
+            cheap_grammar(mine, other)
+        check_grammar_safe(prepared)  # its worker's sampler
+        assert checked == [], other
+    check_grammar_safe(str(mine))  # a text no preparation returned is still checked
+    assert checked == [mine]
+
+
+def test_a_request_s_grammar_is_not_checked_again_whatever_its_memo_keeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the engine, with a checked memo that keeps nothing (as if others' grammars
+    pushed each out at once): the request's thread prepares and checks its grammar, and
+    neither the sampler built there nor the worker's checks it again."""
+    from tests.engine.conftest import make_engine, stub_config
+
+    import kvwarm.backends.grammar_cost as grammar_cost
+    from kvwarm.backends.grammar_cost import TextMemo
+    from kvwarm.engine.types import GenerationOptions
+
+    parsed = _calls(monkeypatch, "_parse")
+    monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
+    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0, max_entries=0))
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config())
+        opts = GenerationOptions(max_tokens=8, temperature=0.0, grammar='root ::= "yes" | "no"')
+        assert model.complete("Say yes or no:", opts).text in ("yes", "no")
+        assert len(parsed) == 1, parsed
+    finally:
+        engine.close()
+
+
 def test_the_checked_memo_keeps_what_is_marked_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Marking a text checked again makes it the most recently used: the next texts push
     out older ones first."""

@@ -439,19 +439,23 @@ def cheap_grammar(text: str, scope: bytes | None = None) -> str:
     bound of ``check_grammar_cost`` (``GrammarError`` otherwise). A text prepared before in
     the same ``scope`` (a cache salt) is not prepared again (``TextMemo``)."""
     _check_length(text)
-    made = _CHEAP.get(text, _cheap, scope or b"")
-    # Checked when it was made (``check_grammar_cost`` runs ``check_grammar_safe``'s checks):
-    # its samplers need not check it again, whatever other texts have pushed it out of
-    # ``_SAFE`` since. Else a tenant's sampler would check it again or not as another tenant
-    # had just sent the same text, which its reply's speed would tell.
-    _SAFE.put(made, "")
-    return made
+    return _CHEAP.get(text, _cheap, scope or b"")
+
+
+class _Checked(str):
+    """A grammar ``cheap_grammar`` returned: ``check_grammar_cost`` ran ``check_grammar_safe``'s
+    checks on it, so its samplers do not run them again. Marked on the text itself, which the
+    request carries to its worker, not in ``_SAFE``: others' grammars could push it out of
+    that while the request is queued, and its worker would check it again or not as another
+    tenant had just sent the same text, which its reply's speed would tell (found by review)."""
+
+    __slots__ = ()
 
 
 def _cheap(text: str) -> str:
     factored = factor_literal_rules(text)
     check_grammar_cost(factored)
-    return factored
+    return _Checked(factored)
 
 
 #: The grammars that passed ``check_grammar_safe``'s checks (their results: "").
@@ -463,13 +467,13 @@ def check_grammar_safe(text: str) -> None:
     ``MAX_GRAMMAR_DEPTH`` (its parser overflows its stack), elements that abort the process,
     repeats past ``MAX_GRAMMAR_REPEATS`` (rules until out of memory), code points it writes as
     bytes, a left recursion through rules that can be empty (its compile loops for ever).
-    Every backend's sampler checks it, whoever calls it. A text that passed (here, or came
-    out of ``cheap_grammar``, whose ``check_grammar_cost`` runs the same checks) is not
-    checked again: the request's
-    thread prepared it, and on the model's worker a 100,000-value enum's checks took ~1.4 s
-    in which no other request decoded. Not scoped by tenant: a request's own preparation
-    (``cheap_grammar``, scoped) has run these checks, or marks its kept result checked
-    again, before its samplers look here."""
+    Every backend's sampler checks it, whoever calls it. A text that passed here, or that
+    ``cheap_grammar`` returned (``_Checked``: its ``check_grammar_cost`` ran the same checks),
+    is not checked again: the request's thread prepared it, and on the model's worker a
+    100,000-value enum's checks took ~1.4 s in which no other request decoded. ``_SAFE`` is
+    not scoped by tenant: a request's grammar never depends on it."""
+    if isinstance(text, _Checked):
+        return
     _SAFE.get(text, _checked_safe)
 
 
