@@ -9,8 +9,9 @@ copying. A pass's cost is pinned (``cheap_passes``) so what is drafted never dep
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
-from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker.drafts import Cost, Drafter, PassCost, Predicted
-from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
+from kvwarm.engine.stream import CompletionStream
+from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.engine.worker.drafts import Cost, DraftCost, Drafter, PassCost, Predicted
+from kvwarm.errors import BackendError, ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 from kvwarm.server.budget import memory_of
 from kvwarm.tenants import scoped, tenant_id
@@ -590,6 +592,210 @@ def test_slots_verify_together_where_replies_need_not_be_plain_decodings(engine:
         model.evict()
         alone = model.complete(prompt, GREEDY, spec_type="none")
         assert done.completion_tokens == alone.completion_tokens
+
+
+class _Whole(_Spy):
+    """A ``_Spy`` that checks, before each call, that every slot's sequence holds exactly the
+    cells of its ``kv_tokens`` (positions ``0 .. n - 1``, those tokens: no rejected draft's
+    or filler row's cell left, none missing) and that the call fits ``n_batch``; what it
+    found wrong is in ``wrong``. ``hook``: called with each batch before it runs (a test's
+    hook: it may raise, as a failed ``llama_decode`` does, or cancel a request)."""
+
+    def __init__(self, model: Model, batches: list[list[BatchToken]]) -> None:
+        rt = model._worker.rt
+        super().__init__(rt.ctx, batches)
+        self._rt = rt
+        self.wrong: list[str] = []
+        self.hook: Callable[[list[BatchToken]], None] = lambda batch: None
+        rt.ctx = self  # type: ignore[assignment]
+
+    def check(self) -> None:
+        cells = self._inner._seqs  # type: ignore[attr-defined]  # the stub's, by sequence
+        for slot in self._rt.slots:
+            held = cells[slot.seq]
+            at = sorted(held)
+            if at != list(range(len(at))) or [held[p].token for p in at] != slot.kv_tokens:
+                self.wrong.append(f"seq {slot.seq}: {len(at)} cells, {len(slot.kv_tokens)} tokens")
+
+    def decode(self, batch: list[BatchToken]) -> None:
+        self.check()
+        if len(batch) > self._rt.cfg.n_batch:
+            self.wrong.append(f"a call of {len(batch)} tokens")
+        self.hook(batch)
+        super().decode(batch)
+
+
+def _together(batch: Sequence[BatchToken]) -> int:
+    """How many slots' drafts ``batch`` verifies (slots with more than one row of logits)."""
+    rows = Counter(t.seq for t in batch if t.logits)
+    return sum(count > 1 for count in rows.values())
+
+
+def _at_once(model: Model, start: Callable[[], list[CompletionStream]]) -> list[CompletionStream]:
+    """``start``'s requests, all queued before the worker admits any: the same ticks, and so
+    the same calls, every run."""
+    gate = threading.Event()
+    held = model._worker.call(gate.wait)
+    try:
+        streams = start()
+    finally:
+        gate.set()
+    held.result()
+    return streams
+
+
+def _alone(cfg: ModelConfig, prompt: str, opts: GenerationOptions, **kw: object) -> Completion:
+    """``prompt``'s reply, decoded plainly in a model of its own."""
+    with make_engine() as other:
+        plain = other.load_model(config=cfg)
+        return plain.complete(prompt, opts, **{**kw, "spec_type": "none"})  # type: ignore[arg-type]
+
+
+def test_slots_verifying_together_each_end_as_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify_together``: four slots, their drafts in shared calls, each ending its own way
+    inside its rows (a grammar refusing a draft token, a stop string, ``max_tokens``), one
+    prompt prefilled beside them, and filler rows after the last slot's draft (a tile of 4):
+    each reply and its logprobs are what the request gets alone, and before every call each
+    sequence holds exactly its tokens' cells, none of a rejected draft or filler row."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05, tile=4, step=1.0)))
+    cfg = spec_config(n_parallel=4, spec_exact=False, spec_draft_max=5)
+    grammar = 'root ::= " brown fox jumps over the lazy cat" | " brown fox jumps high"'
+    wanted: list[tuple[str, GenerationOptions, dict[str, object]]] = [
+        (PROMPT, GREEDY, {"grammar": grammar, "logprobs": 1}),
+        (PROMPT.replace("Copy", "Echo"), GREEDY, {"stop": ["the quick brown the quick"]}),
+        (PROMPT.replace("Copy", "Take"), replace(GREEDY, max_tokens=23), {"logprobs": 2}),
+        (f"Other: {PASSAGE * 6}Again: The quick", SAMPLED, {"logprobs": 2}),
+    ]
+    model = engine.load_model(config=cfg)
+    assert model._worker.rt.cfg.verify_together
+    batches: list[list[BatchToken]] = []
+    spy = _Whole(model, batches)
+    streams = _at_once(
+        model,
+        lambda: [model.stream(prompt, opts, **kw) for prompt, opts, kw in wanted],  # type: ignore[arg-type]
+    )
+    done = [stream.result() for stream in streams]
+    model._worker.call(spy.check).result()
+    assert spy.wrong == []
+    assert any(_together(batch) > 1 for batch in batches), "no call verified two drafts"
+    assert model.status().filler_rows > 0
+    for one, (prompt, opts, kw) in zip(done, wanted, strict=True):
+        alone = _alone(cfg, prompt, opts, **kw)
+        assert one.completion_tokens == alone.completion_tokens
+        assert one.logprobs == alone.logprobs
+        assert one.stats.finish_reason == alone.stats.finish_reason
+    assert done[0].text == " brown fox jumps over the lazy cat"
+    assert done[1].stats.stop_sequence is not None
+    assert len(done[2].completion_tokens) == 23
+
+
+@pytest.mark.parametrize("event", ["cancelled", "failed"])
+def test_one_slot_of_a_call_verifying_together_ends_alone(engine: Engine, event: str) -> None:
+    """In the first call that verifies several slots' drafts, one slot's request is cancelled,
+    or the call fails for its tokens (a ``llama_decode`` error: the call is retried a slot at a
+    time, and that slot's call fails again). That request ends; the others' replies are what
+    each gets alone, and no sequence keeps a cell of the calls."""
+    cfg = spec_config(n_parallel=3, spec_exact=False)
+    prompts = [PROMPT, PROMPT.replace("Copy", "Echo"), PROMPT.replace("Copy", "Take")]
+    wanted = [(prompts[0], GREEDY), (prompts[1], GREEDY), (prompts[2], SAMPLED)]
+    model = engine.load_model(config=cfg)
+    batches: list[list[BatchToken]] = []
+    spy = _Whole(model, batches)
+    streams: list[CompletionStream] = []
+    hit: list[set[int]] = []  # the slots of each call that held slot 1's tokens, from then on
+
+    def hook(batch: list[BatchToken]) -> None:
+        rows = Counter(t.seq for t in batch if t.logits)
+        if 1 not in rows or not (hit or (rows[1] > 1 and _together(batch) > 1)):
+            return
+        hit.append(set(rows))
+        if event == "failed":
+            raise BackendError("llama_decode failed with code -3")
+        streams[1].cancel()
+
+    spy.hook = hook
+    streams += _at_once(
+        model, lambda: [model.stream(prompt, opts, logprobs=1) for prompt, opts in wanted]
+    )
+    if event == "failed":
+        with pytest.raises(BackendError):
+            streams[1].result()
+    else:
+        assert streams[1].result().stats.finish_reason == "cancelled"
+    # The shared call, then (failed) slot 1's retry alone; nothing of slot 1's after.
+    assert len(hit[0]) > 1 and hit[1:] == ([{1}] if event == "failed" else [])
+    done = [streams[0].result(), streams[2].result()]
+    model._worker.call(spy.check).result()
+    assert spy.wrong == []
+    for one, (prompt, opts) in zip(done, wanted[::2], strict=True):
+        alone = _alone(cfg, prompt, opts, logprobs=1)
+        assert one.completion_tokens == alone.completion_tokens
+        assert one.logprobs == alone.logprobs
+
+
+@pytest.mark.parametrize("source", ["lora", "draft model"])
+def test_n_choices_verify_together(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """Two requests of two choices each (forks: their drafts come in the same ticks), under
+    two LoRA adapters (``_by_adapters``: a call each, each verifying its choices' drafts
+    together) or drafted by a draft model: every choice, and its logprobs, is plain
+    decoding's, and no sequence keeps a cell of a rejected draft."""
+    cfg = spec_config(n_parallel=4, spec_exact=False)
+    if source == "draft model":
+        monkeypatch.setattr(DraftCost, "per_token", lambda self, plain: 0.0)
+        cfg = replace(cfg, spec_type=None, draft_model="draft-stub.gguf")
+
+    def replies(model: Model, **kw: object) -> list[Completion]:
+        sets: list[dict[str, object]] = [{}, {}]
+        if source == "lora":
+            for i, name in enumerate(("a.gguf", "b.gguf")):
+                (tmp_path / name).write_bytes(name.encode())
+                handle = model.load_adapter(tmp_path / name, scale=0.0).handle
+                sets[i] = {"lora": ((handle, 1.0),)}
+        prompts = [PROMPT, PROMPT.replace("Copy", "Echo")]
+        streams = _at_once(
+            model,
+            lambda: [
+                stream
+                for prompt, lora in zip(prompts, sets, strict=True)
+                for stream in model.streams(prompt, SAMPLED, n=2, logprobs=1, **lora, **kw)  # type: ignore[arg-type]
+            ],
+        )
+        return [stream.result() for stream in streams]
+
+    model = engine.load_model(config=cfg)
+    batches: list[list[BatchToken]] = []
+    spy = _Whole(model, batches)
+    together = replies(model)
+    model._worker.call(spy.check).result()
+    assert spy.wrong == []
+    assert any(_together(batch) > 1 for batch in batches), "no call verified two drafts"
+    with make_engine() as other:
+        plain = replies(other.load_model(config=cfg), spec_type="none")
+    for one, alone in zip(together, plain, strict=True):
+        assert one.completion_tokens == alone.completion_tokens
+        assert one.logprobs == alone.logprobs
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_a_sliding_window_never_verifies_together(engine: Engine, swa_full: bool) -> None:
+    """``spec_exact = false`` beside a sliding window: a call still verifies one draft (a
+    window's verify pass must not straddle ubatches, ``_splits_verify``, which looks at the
+    call's last rows alone), with or without a full-size window cache."""
+    cfg = spec_config(n_parallel=3, spec_exact=False, backend=copier(memory_kind="swa", n_swa=240))
+    model = engine.load_model(config=replace(cfg, context=replace(cfg.context, swa_full=swa_full)))
+    assert not model._worker.rt.cfg.verify_together
+    batches: list[list[BatchToken]] = []
+    spy = _Whole(model, batches)
+    prompts = [PROMPT, PROMPT.replace("Copy", "Echo"), PROMPT.replace("Copy", "Take")]
+    opts = replace(GREEDY, max_tokens=120)
+    streams = _at_once(model, lambda: [model.stream(prompt, opts) for prompt in prompts])
+    assert all(stream.result().stats.accepted_tokens > 0 for stream in streams)
+    assert spy.wrong == []
+    assert max(_together(batch) for batch in batches) == 1
 
 
 def test_a_sliding_windows_verify_pass_is_never_split_over_ubatches(engine: Engine) -> None:
