@@ -796,31 +796,6 @@ def test_a_prepared_grammar_pushed_out_meanwhile_is_not_checked_again_on_its_wor
     assert checked == [mine]
 
 
-def test_a_request_s_grammar_is_not_checked_again_whatever_its_memo_keeps(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Through the engine, with a checked memo that keeps nothing (as if others' grammars
-    pushed each out at once): the request's thread prepares and checks its grammar, and
-    neither the sampler built there nor the worker's checks it again."""
-    from tests.engine.conftest import make_engine, stub_config
-
-    import kvwarm.backends.grammar_cost as grammar_cost
-    from kvwarm.backends.grammar_cost import TextMemo
-    from kvwarm.engine.types import GenerationOptions
-
-    parsed = _calls(monkeypatch, "_parse")
-    monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
-    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0, max_entries=0))
-    engine = make_engine()
-    try:
-        model = engine.load_model(config=stub_config())
-        opts = GenerationOptions(max_tokens=8, temperature=0.0, grammar='root ::= "yes" | "no"')
-        assert model.complete("Say yes or no:", opts).text in ("yes", "no")
-        assert len(parsed) == 1, parsed
-    finally:
-        engine.close()
-
-
 def test_the_checked_memo_keeps_what_is_marked_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Marking a text checked again makes it the most recently used: the next texts push
     out older ones first."""
@@ -899,7 +874,9 @@ def test_a_request_s_grammar_is_parsed_once_not_again_by_its_samplers(
 ) -> None:
     """Through the engine: the request's thread prepares and checks its grammar, and neither
     the sampler built there nor the worker's checks it again (the test beside the
-    100,000-value enum holds its preparation, so it cannot see the worker's ~1.4 s)."""
+    100,000-value enum holds its preparation, so it cannot see the worker's ~1.4 s), even with
+    a checked memo that keeps nothing (as if others' grammars pushed each out at once, while
+    the request queued: the mark travels with the prepared text)."""
     from tests.engine.conftest import make_engine, stub_config
 
     import kvwarm.backends.grammar_cost as grammar_cost
@@ -908,7 +885,7 @@ def test_a_request_s_grammar_is_parsed_once_not_again_by_its_samplers(
 
     parsed = _calls(monkeypatch, "_parse")
     monkeypatch.setattr(grammar_cost, "_CHEAP", TextMemo(1 << 20))
-    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0))
+    monkeypatch.setattr(grammar_cost, "_SAFE", TextMemo(0, max_entries=0))
     engine = make_engine()
     try:
         model = engine.load_model(config=stub_config())

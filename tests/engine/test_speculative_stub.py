@@ -22,6 +22,7 @@ from tests.engine.conftest import GatedBackend, make_engine, stub_config
 import kvwarm.engine.worker.tick as tick_module
 from kvwarm.backends.base import AdapterSet, BatchToken, ContextParams, ModelParams
 from kvwarm.backends.stub import StubBackend, StubModel
+from kvwarm.backends.stub.context import StubContext
 from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
@@ -530,6 +531,26 @@ class _Spy:
         return getattr(self._inner, name)
 
 
+def _three_copies(model: Model) -> tuple[list[list[BatchToken]], Callable[[], None]]:
+    """Three copying prompts at once on ``model`` (3 slots), each drafting and accepting: the
+    batches of its calls, and a check that each reply is its prompt's alone, plain."""
+    batches: list[list[BatchToken]] = []
+    rt = model._worker.rt
+    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
+    prompts = [PROMPT, PROMPT.replace("Copy", "Echo"), PROMPT.replace("Copy", "Take")]
+    streams = [model.stream(prompt, GREEDY) for prompt in prompts]
+    together = [stream.result() for stream in streams]
+    assert all(done.stats.accepted_tokens > 20 for done in together)
+
+    def check_alone() -> None:
+        for done, prompt in zip(together, prompts, strict=True):
+            model.evict()
+            alone = model.complete(prompt, GREEDY, spec_type="none")
+            assert done.completion_tokens == alone.completion_tokens
+
+    return batches, check_alone
+
+
 def test_one_verify_pass_a_call_its_rows_last(engine: Engine) -> None:
     """Three slots speculating at once in one unified KV buffer: each call verifies at most
     one slot's draft, and that draft's rows are the call's last, so its rejected cells are the
@@ -539,13 +560,7 @@ def test_one_verify_pass_a_call_its_rows_last(engine: Engine) -> None:
     (``test_speculative_model``; found by specrev's review). The other slots' tokens still
     share those calls."""
     model = engine.load_model(config=spec_config(n_parallel=3))
-    batches: list[list[BatchToken]] = []
-    rt = model._worker.rt
-    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
-    prompts = [PROMPT, PROMPT.replace("Copy", "Echo"), PROMPT.replace("Copy", "Take")]
-    streams = [model.stream(prompt, GREEDY) for prompt in prompts]
-    together = [stream.result() for stream in streams]
-    assert all(done.stats.accepted_tokens > 20 for done in together)
+    batches, check_alone = _three_copies(model)
     verifying = shared = 0
     for batch in batches:
         rows = Counter(t.seq for t in batch if t.logits)
@@ -557,10 +572,7 @@ def test_one_verify_pass_a_call_its_rows_last(engine: Engine) -> None:
             assert all(t.seq == drafts[0] and t.logits for t in tail)
             shared += any(t.seq != drafts[0] for t in batch)
     assert verifying > 3 and shared > 0
-    for done, prompt in zip(together, prompts, strict=True):
-        model.evict()
-        alone = model.complete(prompt, GREEDY, spec_type="none")
-        assert done.completion_tokens == alone.completion_tokens
+    check_alone()
 
 
 def test_slots_verify_together_where_replies_need_not_be_plain_decodings(engine: Engine) -> None:
@@ -570,13 +582,7 @@ def test_slots_verify_together_where_replies_need_not_be_plain_decodings(engine:
     its replies are still each request's alone."""
     model = engine.load_model(config=spec_config(n_parallel=3, spec_exact=False))
     assert model._worker.rt.cfg.verify_together
-    batches: list[list[BatchToken]] = []
-    rt = model._worker.rt
-    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
-    prompts = [PROMPT, PROMPT.replace("Copy", "Echo"), PROMPT.replace("Copy", "Take")]
-    streams = [model.stream(prompt, GREEDY) for prompt in prompts]
-    together = [stream.result() for stream in streams]
-    assert all(done.stats.accepted_tokens > 20 for done in together)
+    batches, check_alone = _three_copies(model)
     shared = 0
     for batch in batches:
         rows = Counter(t.seq for t in batch if t.logits)
@@ -588,10 +594,7 @@ def test_slots_verify_together_where_replies_need_not_be_plain_decodings(engine:
             assert [batch[j].pos for j in at] == list(range(first, first + len(at)))
         shared += len(drafts) > 1
     assert shared > 0, "no call verified two slots' drafts"
-    for done, prompt in zip(together, prompts, strict=True):
-        model.evict()
-        alone = model.complete(prompt, GREEDY, spec_type="none")
-        assert done.completion_tokens == alone.completion_tokens
+    check_alone()
 
 
 class _Whole(_Spy):
@@ -778,6 +781,23 @@ def test_n_choices_verify_together(
     for one, alone in zip(together, plain, strict=True):
         assert one.completion_tokens == alone.completion_tokens
         assert one.logprobs == alone.logprobs
+
+
+@pytest.mark.parametrize(
+    ("exact", "draft_max", "rows"), [(True, 10, 11), (False, 10, 33), (False, 30, 64)]
+)
+def test_room_for_logits_is_made_for_the_longest_call(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, exact: bool, draft_max: int, rows: int
+) -> None:
+    """As it loads, a speculating model makes room for the logits of its longest call: one
+    slot's verify pass (its token, ``spec_draft_max`` drafted, a tile's filler), or where
+    slots verify together every slot's (3 here, a tile of 1), within ``n_batch`` (64)."""
+    reserved: list[int] = []
+    monkeypatch.setattr(StubContext, "_reserve_outputs", lambda self, n: reserved.append(n))
+    config = spec_config(n_parallel=3, spec_exact=exact, spec_draft_max=draft_max)
+    model = engine.load_model(config=config)
+    assert model._worker.rt.pass_cost.tile == 1
+    assert reserved == [rows]
 
 
 @pytest.mark.parametrize("swa_full", [False, True])

@@ -251,11 +251,16 @@ class Runtime:
         against 288-292 for the next (traced in the server, 2026-11-30; the first request
         grew it at 8, 16, 34 and 38 rows). A longer draft asked for per request still grows
         it. Nothing is lost where the pass fails (the model serves, its first long passes slower),
-        but a context that keeps cells after it is emptied fails the load."""
+        but a context that keeps cells after it is emptied fails the load. Where slots verify
+        together (``verify_together``), the longest call holds every slot's pass, within
+        ``n_batch`` (found by review: 4 slots' 49 rows of Gemma 3's logits are ~200 MB, grown
+        mid-serving, pinned host memory on a GPU)."""
         cfg = self.cfg
         if not cfg.speculates or cfg.spec_type == "none":
             return
         rows = cfg.spec_draft_max + self.pass_cost.tile
+        if cfg.verify_together:
+            rows = min(cfg.n_batch, rows + (cfg.n_parallel - 1) * (cfg.spec_draft_max + 1))
         try:
             self.ctx.reserve_outputs(rows)
         except StateRestoreError:
