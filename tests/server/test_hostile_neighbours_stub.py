@@ -46,6 +46,10 @@ def client() -> Iterator[TestClient]:
         ("/v1/messages", {"max_tokens": 1, "messages": X7}, "messages"),
         ("/v1/messages/count_tokens", {"messages": X7}, "messages"),
         ("/v1/responses", {"input": X7}, "input"),
+        ("/apply-template", {"messages": X7}, "messages"),
+        # Found by review: a prewarm's chat was held to no count (its messages validated,
+        # rendered and tokenized, however many).
+        ("/cache/prewarm", {"messages": X7}, "messages"),
     ],
 )
 def test_too_many_items_are_a_400_naming_the_setting(

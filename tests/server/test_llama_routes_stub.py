@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from kvwarm.server import create_app
 
-from .conftest import stub_settings, wait_ready
+from .conftest import server_state, stub_settings, wait_ready
 
 ADMIN = "admin-secret"
 KEY = "api-secret"
@@ -233,3 +233,24 @@ def test_a_get_loads_no_model() -> None:
         assert c.post("/completion", json={"prompt": "x", "n_predict": 1, "model": "b"}).is_success
         assert c.get("/props?model=b").json()["default_generation_settings"]["n_ctx"] == 256
         assert len(c.get("/slots?model=b").json()) >= 1
+
+
+def test_a_get_leaves_the_idle_timer_alone() -> None:
+    """GET /props and /slots do not count as a model's use: found by review, each restarted
+    its idle timer (``model_idle_unload_s``, a request's ``keep_alive``), so any web page
+    polling either (no Origin header: the guard cannot refuse it), or a monitor polling
+    llama-server's ``/slots``, kept an idle model loaded for ever and last in line to be
+    unloaded for another."""
+    with TestClient(create_app(stub_settings(model_idle_unload_s=600))) as c:
+        wait_ready(c.get)
+        registry = server_state(c).registry
+        entry = server_state(c).entries["a"]
+        due = registry.due(entry)
+        assert due is not None
+        for route in ("/props?model=a", "/slots?model=a", "/props", "/slots"):
+            assert c.get(route).status_code == 200, route
+            assert registry.due(entry) == due, route
+        # A request to the model is its use: the timer starts again from its end.
+        assert c.post("/tokenize", json={"model": "a", "content": "x"}).is_success
+        later = registry.due(entry)
+        assert later is not None and later > due

@@ -288,7 +288,10 @@ class ModelRegistry:
         load: bool = True,
     ) -> ServedModel:
         """The ready model ``name`` (an id or an alias) names, loading it first if need be
-        (with ``load`` false, a model not loaded is a 409 ``model_not_loaded``).
+        (with ``load`` false, a model not loaded is a 409 ``model_not_loaded``, and the
+        request is no use of the model: its idle timer runs on. Found by review: a GET of
+        ``/props`` or ``/slots``, which any web page may send, restarted it, so polling kept
+        an idle model loaded for ever).
 
         Inside ``request_leases`` the model is leased until the request ends. A
         ``generation`` sets how long the model stays loaded once idle, as each Ollama request
@@ -300,8 +303,9 @@ class ModelRegistry:
                 entry = self._resolve(name)
                 if entry.state == "ready" and entry.model is not None:
                     if lease:
-                        self._lease(entry)
-                    entry.last_used = time.monotonic()
+                        self._lease(entry, touch=load)
+                    if load:
+                        entry.last_used = time.monotonic()
                     if generation:
                         entry.keep_alive_s = keep_alive
                         self.reaper_wake.set()
@@ -355,14 +359,15 @@ class ModelRegistry:
                 headers={"Retry-After": "1"},
             )
 
-    def _lease(self, entry: ModelEntry) -> None:
+    def _lease(self, entry: ModelEntry, *, touch: bool = True) -> None:
         held = _HELD.get()
         if held is None:
             return
-        held.append(self._leased(entry))
+        held.append(self._leased(entry, touch=touch))
 
-    def _leased(self, entry: ModelEntry) -> Callable[[], None]:
-        """Under the lock: one more lease on ``entry``, and what releases it (once)."""
+    def _leased(self, entry: ModelEntry, *, touch: bool = True) -> Callable[[], None]:
+        """Under the lock: one more lease on ``entry``, and what releases it (once);
+        ``touch``: its release is a use of the model (its idle timer starts again)."""
         entry.leases += 1
         released = False
 
@@ -373,7 +378,8 @@ class ModelRegistry:
                     return
                 released = True
                 entry.leases -= 1
-                entry.last_used = time.monotonic()
+                if touch:
+                    entry.last_used = time.monotonic()
             self.reaper_wake.set()  # keep_alive 0: due now
 
         return release

@@ -36,6 +36,7 @@ from kvwarm.server.schemas import (
     PrewarmRequest,
     SamplingFields,
     TokenizeRequest,
+    check_count,
     json_body,
     parse_body,
     read_json,
@@ -325,7 +326,10 @@ async def cache_prewarm(request: Request) -> Response:
     its keep-alive) belongs to the request's cache salt, or to the tenant the body names
     (``tenant_key``, ``shared``: ``server.tenancy``)."""
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), PrewarmRequest)
+    raw = await read_json(request, state.settings)
+    # A chat as every chat route bounds it (found by review: a prewarm's was held to none).
+    check_count(raw, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(raw, PrewarmRequest)
     base = None if req.model is None else state.lora.base_of(req.model)
     if base is not None:
         # Found by review: an adapter's name resolved to its model and the prefix was
