@@ -97,6 +97,9 @@ def _config(tmp_path: Path, files: dict[str, Path], case: str) -> Path:
         # The second model speculates: decided over all of them, not by load order.
         "second speculates": _model("plain", files["plain"])
         + _model("drafting", files["drafting"], SPEC),
+        # The second model speculates, but need not be exact: llama-server's kernels.
+        "second speculates inexactly": _model("plain", files["plain"])
+        + _model("drafting", files["drafting"], SPEC, "spec_exact = false"),
         # Only a models_dir file could speculate, loaded on a request's demand later.
         "models_dir": f'{SPEC}\nmodels_dir = "{files["dir"]}"\n',
         # Given a spec_type, but none of them generates but the one that does not speculate.
@@ -115,6 +118,7 @@ def _config(tmp_path: Path, files: dict[str, Path], case: str) -> Path:
         ("second speculates", None, "0"),
         ("models_dir", None, "0"),
         ("none generates", None, "None"),
+        ("second speculates inexactly", None, "None"),
         ("second speculates", "1", "1"),  # the user's choice is kept
     ],
 )
@@ -125,7 +129,8 @@ def test_serve_decides_its_kernels_before_any_thread_starts(
     other threads ran (C's ``setenv`` beside a ``getenv`` is not safe), and only by a
     speculating model loaded first (a second one found the first's context made: too late).
     Now ``serve`` decides in its main thread, before it builds the app, over every model it
-    may load; a reranker or an embedding model given a ``spec_type`` does not count."""
+    may load; a reranker or an embedding model given a ``spec_type`` does not count, nor a
+    model whose ``spec_exact`` is false (its rows need not be exact: the kernel stays on)."""
     environ = clean_env(tmp_path)
     environ.pop("GGML_CPU_TILED_MM", None)
     if given is not None:

@@ -95,20 +95,23 @@ class _Recording(StubBackend):
         return super().load_model(path, params)
 
 
-@pytest.mark.parametrize(("name", "exact_rows"), [("reranker", False), ("embedder", False),
-                                                  ("recurrent", False), ("hybrid", False),
-                                                  ("generator", True)])  # fmt: skip
+@pytest.mark.parametrize(("name", "exact", "exact_rows"), [
+    ("reranker", True, False), ("embedder", True, False), ("recurrent", True, False),
+    ("hybrid", True, False), ("generator", True, True), ("generator", False, False),
+])  # fmt: skip
 def test_the_engine_loads_for_exact_rows_only_a_model_that_verifies_drafts(
-    files: dict[str, Path], name: str, exact_rows: bool
+    files: dict[str, Path], name: str, exact: bool, exact_rows: bool
 ) -> None:
     """Found by review: a reranker given a ``spec_type`` loaded with ``exact_rows`` (its
     pooling was known only after the load), so its weights were not repacked and its first
     load could turn llama.cpp's tiled kernel off for every model of the process, for drafts
     it never verifies. A recurrent or hybrid model did the same: its speculation is off (it
-    cannot roll a draft back), known only from its memory once loaded."""
+    cannot roll a draft back), known only from its memory once loaded. A model whose
+    ``spec_exact`` is false speculates on the fastest kernels, its weights repacked."""
     backend = _Recording()
+    config = replace(SPECULATING, backend=backend, spec_exact=exact)
     with make_engine() as engine:
-        engine.load_model(files[name], config=replace(SPECULATING, backend=backend))
+        engine.load_model(files[name], config=config)
     assert [params.exact_rows for params in backend.loads] == [exact_rows]
 
 

@@ -80,7 +80,7 @@ from kvwarm.engine.prompts import (
 )
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.rerank import Ranker, RerankLimits
-from kvwarm.engine.speculating import verifies_drafts
+from kvwarm.engine.speculating import needs_exact_rows
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
 from kvwarm.engine.types import (
@@ -180,10 +180,10 @@ class Model:
         #: This load's own salt: the namespace of an adapter set whose sum llama.cpp orders by
         #: address, in deterministic mode (``_namespace_of``).
         self._load_salt = os.urandom(16)
-        # A model that will verify drafts (its header says it generates) loads its weights
-        # where its verify rows can be exact; a reranker or an encoder given a spec_type does
-        # not pay for that.
-        exact_rows = verifies_drafts(cfg, path)
+        # A model that will verify drafts (its header says it generates) exactly (its
+        # spec_exact) loads its weights where its verify rows can be exact; a reranker or an
+        # encoder given a spec_type, or a model that need not be exact, does not pay for that.
+        exact_rows = needs_exact_rows(cfg, path)
         params = replace(cfg.model_params, progress=phases.weights(), exact_rows=exact_rows)
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None

@@ -6,10 +6,11 @@ model such as BERT's) never generate, so they never verify a draft whatever thei
 ``spec_type``; nor does a model whose state cannot roll a rejected draft back (a recurrent
 or hybrid architecture: speculation is off for it, ``describe.speculation``). That is known
 from the header before the weights load (``verifies_drafts``), and it decides the load: a
-model that verifies drafts loads its weights where its verify rows can be exact
-(``ModelParams.exact_rows``: unrepacked), and may need llama.cpp's tiled K-quant kernel off
-for the whole process (``GGML_CPU_TILED_MM=0``; docs/configuration.md, "Exact, or off").
-A model that cannot generate pays for neither.
+model that verifies drafts exactly (``needs_exact_rows``: its ``spec_exact``) loads its
+weights where its verify rows can be exact (``ModelParams.exact_rows``: unrepacked), and may
+need llama.cpp's tiled K-quant kernel off for the whole process (``GGML_CPU_TILED_MM=0``;
+docs/configuration.md, "Exact, or off"). A model that cannot generate, or need not be
+exact, pays for neither.
 
 The kernel switch is the process's, read by ggml once, at its first matrix product, and set
 through the environment, which is not safe to change while another thread may read it. So a
@@ -75,6 +76,16 @@ def verifies_drafts(cfg: ModelConfig, path: str | os.PathLike[str]) -> bool:
     return header.get("attention.causal") is not False and cfg.speculates_with(pooling)
 
 
+def needs_exact_rows(cfg: ModelConfig, path: str | os.PathLike[str]) -> bool:
+    """Whether the model at ``path``, loaded with ``cfg``, must keep its verify rows one-token
+    passes' bit for bit: it verifies drafts (``verifies_drafts``) and its ``spec_exact`` says
+    they must be exact. A model with ``spec_exact`` false speculates as llama-server does, on
+    the kernels that are fastest (the tiled kernel, its weights repacked): its verify rows
+    may differ in their last bits anyway, and keeping them exact would cost it a slower
+    prefill (Gemma 3 270M: 1.21x) and slower verify passes for nothing."""
+    return cfg.spec_exact and verifies_drafts(cfg, path)
+
+
 def untile_at_start(
     models: Iterable[tuple[str | os.PathLike[str] | None, ModelConfig]],
     *,
@@ -83,7 +94,7 @@ def untile_at_start(
     """Called at a process's start, in its main thread before any other thread runs, with the
     models it will load (a file, None for the backend's default model, and its config; a
     config without a backend runs on ``backend``): turns llama.cpp's tiled K-quant kernel off
-    for the process where one of them will verify drafts (``verifies_drafts``) with weights
+    for the process where one of them will verify drafts exactly (``needs_exact_rows``) with weights
     that kernel multiplies, and nobody set ``GGML_CPU_TILED_MM``; True if it did. Every model
     of the process then computes without it, and its cache keys say so
     (``BackendModel.kernels``: ``untiled``). A model not found is left to its load to report.
@@ -97,7 +108,7 @@ def untile_at_start(
             located = runs_on.locate(path)
         except ModelNotFoundError:
             continue
-        if not verifies_drafts(cfg, located):
+        if not needs_exact_rows(cfg, located):
             continue
         # Imported here: only a llama.cpp model has this kernel (the module loads no library).
         from kvwarm.backends.llama.model import untile_for_verifying
