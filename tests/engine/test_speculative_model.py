@@ -300,7 +300,8 @@ def test_auto_kv_cells_are_the_exact_type_only_where_f16_would_not_be(model: Mod
     """``context_params`` resolves ``auto`` cells: q8_0 where the model speculates on the CPU
     with both cells of a split-KV type; f16 where it does not speculate, is deterministic (it
     then never speculates), or a cell given already leaves the split-KV and tiled kernels; a
-    type given is never changed. Each result is exact at any length wherever it speculates."""
+    type given is never changed. Each result is exact at any length wherever it speculates
+    exactly; a model whose ``spec_exact`` is false keeps f16."""
     bmodel = model._bmodel
     base = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on")
 
@@ -321,6 +322,10 @@ def test_auto_kv_cells_are_the_exact_type_only_where_f16_would_not_be(model: Mod
     assert cells(replace(base, type_k="bf16")) == ("bf16", "f16")
     given = replace(base, type_k="f16", type_v="f16")
     assert bmodel.context_params(given, deterministic=False, speculative=True) == given
+    # Replies that need not be plain decoding's (spec_exact false): f16, as llama-server's,
+    # flash attention still as a speculating model's.
+    loose = bmodel.context_params(base, deterministic=False, speculative=True, exact=False)
+    assert (loose.type_k, loose.type_v, loose.flash_attn) == ("f16", "f16", "on")
 
 
 def test_a_model_given_f16_kv_speculates_only_if_spec_exact_is_false() -> None:

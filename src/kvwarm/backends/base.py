@@ -607,13 +607,20 @@ class BackendModel(Protocol):
         ...
 
     def context_params(
-        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+        self,
+        params: ContextParams,
+        *,
+        deterministic: bool,
+        speculative: bool = False,
+        exact: bool = True,
     ) -> ContextParams:
         """``params`` as this model's contexts run them, in a model that is or is not
         ``deterministic`` and does or does not ``speculative``-ly decode by default
         (``flash_attn="auto"`` resolved where the backend chooses: both need attention whose
-        numerics do not depend on the batch). The engine creates its contexts and hashes its
-        cache keys from these, so a key names what ran."""
+        numerics do not depend on the batch), ``exact``-ly or not (``spec_exact``: where not,
+        ``auto`` cells need not be the type whose verify rows are one-token passes'). The
+        engine creates its contexts and hashes its cache keys from these, so a key names what
+        ran."""
         ...
 
     @property

@@ -120,7 +120,7 @@ def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.cache.types import Namespace
     from kvwarm.cli.cache_cmd import open_cache, require_dirs
     from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
-    from kvwarm.engine.speculating import verifies_drafts
+    from kvwarm.engine.speculating import needs_exact_rows
     from kvwarm.engine.worker.explain import explain_prompt
     from kvwarm.memory import MemoryKind
     from kvwarm.settings.model import model_config
@@ -147,9 +147,9 @@ def run_explain(args: argparse.Namespace) -> int:
     # Loaded as the server loads it: its kernels (``BackendModel.kernels``) are hashed into
     # the namespace, and they are the process's (decided over every model the server may
     # load, by the function ``kvwarm serve`` calls) and the load's (unrepacked where it will
-    # verify drafts).
+    # verify drafts exactly).
     decide_kernels(settings)
-    exact_rows = verifies_drafts(cfg, path)
+    exact_rows = needs_exact_rows(cfg, path)
     vocab = dataclasses.replace(cfg.model_params, vocab_only=True, exact_rows=exact_rows)
     bmodel = backend.load_model(str(path), vocab)
     try:
@@ -160,6 +160,7 @@ def run_explain(args: argparse.Namespace) -> int:
             cfg.context,
             deterministic=cfg.deterministic,
             speculative=cfg.speculates_with(facts.pooling),
+            exact=cfg.spec_exact,
         )
         kernels = bmodel.kv_tag(context)
     finally:

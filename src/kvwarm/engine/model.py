@@ -195,6 +195,7 @@ class Model:
             cfg.context,
             deterministic=cfg.deterministic,
             speculative=cfg.speculates_with(facts.pooling),
+            exact=cfg.spec_exact,
         )
         #: How it pools: the setting's, else the GGUF's, else the context's (mean).
         self.pooling: PoolingType = cfg.pooling or facts.pooling or ran.pooling

@@ -564,7 +564,12 @@ class LlamaModel:
     # -- children -----------------------------------------------------------------------------
 
     def context_params(
-        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+        self,
+        params: ContextParams,
+        *,
+        deterministic: bool,
+        speculative: bool = False,
+        exact: bool = True,
     ) -> ContextParams:
         """``params`` as this model's contexts run them. ``flash_attn="auto"`` becomes ``off``
         where attention runs on the CPU (no layer offloaded, or a build without a GPU), V is
@@ -583,7 +588,9 @@ class LlamaModel:
         prefill chunk beside a draft), and verify passes not, so a greedy speculative reply
         would stop being plain decoding's there (``verify_exactness``): an ``auto`` K is then
         q8_0 (an ``auto`` V beside a K given f16: V q8_0), with which every pass attends row
-        by row (``_EXACT_KV_TYPE``). A type given is kept as given.
+        by row (``_EXACT_KV_TYPE``); not where its replies need not be plain decoding's
+        (``exact`` false: ``spec_exact``), where q8_0 K would cost a verify pass, a prefill
+        in effect, ~1.2x for nothing. A type given is kept as given.
 
         llama.cpp's own ``auto`` turns flash attention on whenever the device supports it,
         and its CPU kernel is the slower one for what a cache serves: decoding and short
@@ -609,7 +616,7 @@ class LlamaModel:
                 n_pos,
             )
             params = replace(params, n_ctx=n_pos)
-        params = self._kv_cells(params, speculative=speculative and not deterministic)
+        params = self._kv_cells(params, speculative=speculative and exact and not deterministic)
         if params.flash_attn != "auto" or params.type_v in QUANTIZED_KV_TYPES:
             return params
         if deterministic or speculative:

@@ -317,7 +317,12 @@ class StubModel:
             )
 
     def context_params(
-        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+        self,
+        params: ContextParams,
+        *,
+        deterministic: bool,
+        speculative: bool = False,
+        exact: bool = True,
     ) -> ContextParams:
         # No attention kernels to choose between: every cell type is exact; ``auto`` is f16.
         return replace(params, type_k=concrete_kv(params.type_k), type_v=concrete_kv(params.type_v))
