@@ -185,6 +185,29 @@ def test_previous_response_id_restores_the_conversation(client: TestClient) -> N
     )
 
 
+def test_a_conversation_longer_than_max_chat_messages_is_a_400() -> None:
+    """``max_chat_messages`` bounds the conversation a follow-up continues, not only its own
+    input: a chain of turns grew by each one's input and reply without bound (found by
+    review). With a limit of 3: a follow-up to one turn (user, assistant, user) fits, a
+    follow-up to that (five messages) does not; an input of 3 alone still fits."""
+    with TestClient(create_app(stub_settings(max_chat_messages=3))) as fresh:
+        wait_ready(fresh.get)
+        first = fresh.post("/v1/responses", json=BASE)
+        assert first.status_code == 200, first.text
+        second = fresh.post(
+            "/v1/responses", json={**BASE, "previous_response_id": first.json()["id"]}
+        )
+        assert second.status_code == 200, second.text
+        over = fresh.post(
+            "/v1/responses", json={**BASE, "previous_response_id": second.json()["id"]}
+        )
+        assert_error(over, 400, "invalid_value", "previous_response_id")
+        assert "5 messages" in over.json()["error"]["message"]
+        assert "max_chat_messages" in over.json()["error"]["message"]
+        turns = [{"role": "user", "content": "x"}] * 3
+        assert fresh.post("/v1/responses", json={**BASE, "input": turns}).status_code == 200
+
+
 def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
     kept = client.post("/v1/responses", json=BASE).json()
     assert client.get(f"/v1/responses/{kept['id']}").json()["id"] == kept["id"]

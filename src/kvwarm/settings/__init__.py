@@ -363,7 +363,8 @@ class Settings(ModelSettings, ServingSettings):
     )
     max_chat_messages: Int = Field(
         default=2048,
-        description="most messages (input items) one chat request may hold (more: 400)",
+        description="most messages (input items) one chat request may hold, a Responses "
+        "follow-up's with the conversation it continues (more: 400)",
     )
     # Slow clients (server/http.py): uvicorn starts no timer before a request's first response
     # byte, so a client sending half a header held its connection (and a file descriptor) for

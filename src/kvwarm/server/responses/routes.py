@@ -209,9 +209,23 @@ async def create_response(request: Request) -> Response:
         and tenancy.explicit_salt(request, req.cache_salt) is None
     ):
         salt = previous.cache_salt
+    history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
+    limit = state.settings.max_chat_messages
+    if len(history) > limit:
+        # Found by review: the input's own count was checked, not the conversation it
+        # continues, which grew by each turn's input and reply without bound (each turn's
+        # prompt fitting the context: on a long-context model tens of thousands of messages
+        # rendered and tokenized at every turn).
+        raise HTTPError(
+            400,
+            f"the conversation holds {len(history)} messages with previous_response_id's, "
+            f"more than this server's limit of {limit} (setting max_chat_messages); start a "
+            "new conversation",
+            param="previous_response_id",
+            code="invalid_value",
+        )
     requested = req.model or (previous.model_id if previous else None)
     model, lora = await state.acquire_generation(requested, keep_alive=req.keep_alive)
-    history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
     tools = responses.tools(req.tools)
     messages = responses.with_instructions(req.instructions, history)
     choice = responses.tool_choice(req.tool_choice)
