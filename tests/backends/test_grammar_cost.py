@@ -796,16 +796,14 @@ def test_a_prepared_grammar_pushed_out_meanwhile_is_not_checked_again_on_its_wor
     assert checked == [mine]
 
 
-def test_the_checked_memo_keeps_what_is_marked_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Marking a text checked again makes it the most recently used: the next texts push
-    out older ones first."""
+def test_a_text_found_kept_again_is_the_last_pushed_out() -> None:
+    """A text found kept again is the most recently used: the next texts push out older
+    ones first."""
     from kvwarm.backends.grammar_cost import TextMemo
 
     memo = TextMemo(0, max_entries=2)
-    memo.put("a", "")
-    memo.put("b", "")
-    memo.put("a", "")
-    memo.put("c", "")  # pushes out "b", not "a"
+    for text in ("a", "b", "a", "c"):  # "c" pushes out "b", not "a"
+        memo.get(text, lambda _: "")
     made: list[str] = []
 
     def make(text: str) -> str:

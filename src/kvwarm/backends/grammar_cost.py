@@ -403,10 +403,6 @@ class TextMemo:
                 self.hits += 1
             return kept
 
-    def put(self, text: str, made: str) -> None:
-        """Keep ``made`` as ``text``'s result (found by other means than ``get``'s)."""
-        self._keep(_digest(text), made)
-
     def _keep(self, key: bytes, made: str) -> None:
         if len(made) > self.max_chars:
             return
