@@ -38,7 +38,7 @@ the first token comes from the prompt's pass), llama-server's own ``predicted_pe
 (measured 2026-11-29: kvwarm's ``generation_ms`` is within 0.3 ms of its ``predicted_ms``, so the
 earlier ``completion_tokens / generation_ms`` against ``predicted_n / predicted_ms`` counted the
 free first token on both sides alike; each speed is now 95/96 of what it was), the ratio to
-kvwarm plain, the drafts accepted/drafted, and whether the text is the plain text of the same
+kvwarm plain (of the medians, and the median of each round's ratio: ``paired``), the drafts accepted/drafted, and whether the text is the plain text of the same
 numerics (greedy: it must be, everywhere): a speculating kvwarm's is kvwarm-fa's (flash
 attention on, as speculation runs it), llama-server's types' is llama-server plain's. Run it
 alone: two processes decoding at once on 2 cores halve each other; it prints the machine's
@@ -384,13 +384,22 @@ def main() -> None:
     # Two ratios: to kvwarm's defaults (the issue's "plain decode speed"), and to the plain
     # server of the same numerics (kvwarm-fa for kvwarm's speculation: the chat goal's
     # "no slower than plain" at the same flash-attention setting; llama for llama-server's).
+    # And the median of each round's ratio to kvwarm's defaults ("paired"): the two requests of
+    # a round ran back to back, so a drift of the host's speed between rounds (±15% seen on
+    # a shared host) mostly cancels there, where it does not in a ratio of medians.
     print(
-        f"{'load':11} {'server':20} {'tok/s':>8} {'x ' + base_name:>10} {'x plain':>8} "
-        f"{'acc/draft':>11}  text"
+        f"{'load':11} {'server':20} {'tok/s':>8} {'x ' + base_name:>10} {'paired':>7} "
+        f"{'x plain':>8} {'acc/draft':>11}  text"
     )
 
     def speed_of(load: str, name: str) -> float:
         return statistics.median(r[2] / r[1] for r in runs[(load, name)] if r[1] > 0)
+
+    def paired(load: str, name: str) -> float:
+        pairs = zip(runs[(load, name)], runs[(load, base_name)], strict=True)
+        return statistics.median(
+            (r[2] / r[1]) / (b[2] / b[1]) for r, b in pairs if r[1] > 0 and b[1] > 0
+        )
 
     for load in loads:
         base_speed = speed_of(load, base_name)
@@ -404,7 +413,8 @@ def main() -> None:
             accepted = sum(r[4] for r in rs)
             per_round = "/".join(f"{r[2] / r[1]:.0f}" for r in rs if r[1] > 0)
             print(
-                f"{load:11} {name:20} {speed:8.1f} {speed / base_speed:10.2f} {speed / plain:8.2f} "
+                f"{load:11} {name:20} {speed:8.1f} {speed / base_speed:10.2f} "
+                f"{paired(load, name):7.2f} {speed / plain:8.2f} "
                 f"{accepted:5}/{drafted:<5}  {'same as' if same else 'DIFFERS from'}"
                 f" {same_as[name]} ({rs[0][5]} tokens; rounds {per_round} tok/s)"
             )
