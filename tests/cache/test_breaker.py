@@ -150,3 +150,34 @@ def test_a_long_outage_is_warned_once_and_its_end_said(
     with pytest.raises(CacheNetworkError):
         wire.call("get c", _refused)  # a new outage: warned again
     assert len([r for r in caplog.records if "skipping the store" in r.getMessage()]) == 2
+
+
+def test_an_answer_to_a_call_sent_before_the_fault_does_not_end_the_window(
+    clock: _Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store throttling some calls answers others in flight: their answers within the
+    window neither reopen the store nor say, then warn again, that it is down."""
+    wire = _wire()
+    caplog.set_level(logging.INFO, logger=objects.__name__)
+    entered, release = threading.Event(), threading.Event()
+
+    def answers_late() -> str:
+        entered.set()
+        release.wait(30)
+        return "answer"
+
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(wire.call("get a", answers_late)))
+    t.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(CacheNetworkError):
+            wire.call("get b", _refused)
+    finally:
+        release.set()
+        t.join(30)
+    assert got == ["answer"]
+    assert wire.is_down()
+    with pytest.raises(CacheNetworkError, match="marked down"):
+        wire.call("get c", lambda: "not run")
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]

@@ -130,6 +130,7 @@ class Breaker:
         self._lock = threading.Lock()
         self._down_until = 0.0  # no call goes before this; then one, the trial
         self._out_since: float | None = None  # the outage's first fault; None: the store is up
+        self._trial = 0  # the thread trying the store since the window passed
 
     def is_down(self) -> bool:
         with self._lock:
@@ -146,14 +147,20 @@ class Breaker:
                 return
             if now >= self._down_until:
                 self._down_until = now + self._down_for_s  # this caller is the trial
+                self._trial = threading.get_ident()
                 return
         raise CacheNetworkError(f"{self._label}: store marked down after a network fault")
 
     def answered(self) -> None:
-        """A call got an answer (a refusal or a missing object is one): the store is up."""
+        """A call got an answer (a refusal or a missing object is one): the store is up. One
+        that went before the fault and answers within its window is not the trial's answer
+        (a store throttling some calls answers others): the window stands."""
         if self._out_since is None:
             return
         with self._lock:
+            now = time.monotonic()
+            if self._trial != threading.get_ident() and now < self._down_until:
+                return
             since, self._out_since = self._out_since, None
             self._down_until = 0.0
         if since is not None:
@@ -169,6 +176,7 @@ class Breaker:
             if first:
                 self._out_since = now
             self._down_until = now + self._down_for_s
+            self._trial = 0
         if first:
             log.warning("%s; skipping the store for %.1fs", err, self._down_for_s)
 
