@@ -115,29 +115,68 @@ META_LAST_USED = "kvwarm-last-used"
 class Breaker:
     """The rule every remote store follows after a network fault: it is *down* for
     ``down_for_s`` and calls fail at once with ``CacheNetworkError`` instead of waiting out
-    another timeout, so a dead store costs each lookup nothing and the process one timeout
-    per interval. Thread-safe."""
+    another timeout. When the window has passed, one call (the *trial*) tries the store while
+    every other still fails at once: its answer opens the store to all (``answered``), its
+    fault shuts it for another window (``trip``). So a dead store costs each lookup nothing
+    and the process one timeout per window, however many threads call it (found by review:
+    every caller in flight as a window ended -- a wave of probes, the writer threads, a
+    restore on the engine's thread -- waited out its own timeout). A trial still unanswered
+    a window later (a read timeout longer than the window) lets one more caller try. An
+    outage is warned once, and its end said. Thread-safe."""
 
     def __init__(self, label: str, down_for_s: float) -> None:
         self._label = label
         self._down_for_s = down_for_s
         self._lock = threading.Lock()
-        self._down_until = 0.0
+        self._down_until = 0.0  # no call goes before this; then one, the trial
+        self._out_since: float | None = None  # the outage's first fault; None: the store is up
+        self._trial = 0  # the thread trying the store since the window passed
 
     def is_down(self) -> bool:
         with self._lock:
-            return time.monotonic() < self._down_until
+            return self._out_since is not None and time.monotonic() < self._down_until
 
     def check(self) -> None:
-        """``CacheNetworkError`` while the store is down."""
-        if self.is_down():
-            raise CacheNetworkError(f"{self._label}: store marked down after a network fault")
+        """``CacheNetworkError`` while the store is down, or while another call is its trial;
+        else the caller goes (as the trial, when the store was down)."""
+        if self._out_since is None:  # the common case: no lock
+            return
+        with self._lock:
+            now = time.monotonic()
+            if self._out_since is None:
+                return
+            if now >= self._down_until:
+                self._down_until = now + self._down_for_s  # this caller is the trial
+                self._trial = threading.get_ident()
+                return
+        raise CacheNetworkError(f"{self._label}: store marked down after a network fault")
+
+    def answered(self) -> None:
+        """A call got an answer (a refusal or a missing object is one): the store is up. One
+        that went before the fault and answers within its window is not the trial's answer
+        (a store throttling some calls answers others): the window stands."""
+        if self._out_since is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            if self._trial != threading.get_ident() and now < self._down_until:
+                return
+            since, self._out_since = self._out_since, None
+            self._down_until = 0.0
+        if since is not None:
+            log.warning(
+                "%s: the store answers again (down %.1fs)", self._label, time.monotonic() - since
+            )
 
     def trip(self, err: CacheNetworkError) -> None:
         """A network fault: down from now for ``down_for_s`` (warned once per outage)."""
         with self._lock:
-            first = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self._down_for_s
+            now = time.monotonic()
+            first = self._out_since is None
+            if first:
+                self._out_since = now
+            self._down_until = now + self._down_for_s
+            self._trial = 0
         if first:
             log.warning("%s; skipping the store for %.1fs", err, self._down_for_s)
 

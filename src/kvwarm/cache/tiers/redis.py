@@ -175,7 +175,21 @@ class RedisStore:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         self._breaker.check()
         try:
-            result = fn()
+            result = self._translated(what, fn)
+        except CacheNetworkError as err:
+            self._breaker.trip(err)
+            raise
+        except BaseException:
+            self._breaker.answered()  # a refusal or an error reply is an answer: it is up
+            raise
+        self._breaker.answered()
+        self._refusal_logged = False
+        return result
+
+    def _translated(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, redis-py's errors as ours."""
+        try:
+            return fn()
         except (
             # Before ConnectionError: redis-py makes a refused AUTH one of those.
             self._errors.AuthenticationError,
@@ -185,9 +199,7 @@ class RedisStore:
         ) as exc:
             raise self._refused(what, exc) from exc
         except (self._errors.ConnectionError, self._errors.TimeoutError, OSError) as exc:
-            err = CacheNetworkError(f"{self.label}: {what}: {type(exc).__name__}: {exc}")
-            self._breaker.trip(err)
-            raise err from exc
+            raise CacheNetworkError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
         except self._errors.ResponseError as exc:
             # Another client's value of another type under one of our names (alone, or in a
             # pipeline's "Command # 2 ... caused error: WRONGTYPE ..."): junk, like an unreadable
@@ -197,8 +209,6 @@ class RedisStore:
             raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
         except self._errors.RedisError as exc:
             raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
-        self._refusal_logged = False
-        return result
 
     def _refused(self, what: str, exc: Exception) -> CacheIOError:
         """The server refused our credentials or a command to our user: a configuration

@@ -171,14 +171,19 @@ class S3Wire:
         """Run ``fn`` (one or more client calls and body reads) with errors translated."""
         self._breaker.check()
         try:
-            return fn()
+            result = fn()
         except PublishRaceLost:
+            self._breaker.answered()
             raise
         except Exception as exc:
             err = self._translate(what, exc)
             if isinstance(err, CacheNetworkError):
                 self._breaker.trip(err)
+            else:
+                self._breaker.answered()  # a refusal, a missing object: the store is up
             raise err from exc
+        self._breaker.answered()
+        return result
 
     def _translate(self, what: str, exc: Exception) -> Exception:
         from botocore import exceptions as bexc
