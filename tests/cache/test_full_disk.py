@@ -15,7 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tests.cache.chunkkit import chunked_request
 from tests.cache.facadekit import req
+from tests.cache.tierkit import NS
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.tiers import publish
@@ -122,3 +124,27 @@ def test_the_quota_is_capped_by_the_room_on_the_filesystem(
         assert counters["tier_disk_quota_capped_by_filesystem"] == 1
         said = [r for r in caplog.records if "effective quota" in r.getMessage()]
         assert len(said) == 1, said  # once per tier, not on every check
+
+
+def test_enospc_is_retried_when_the_eviction_frees_only_orphan_chunks(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the retry waited for an evicted row, so a full disk whose tier held
+    only orphan chunks (a crash's leftovers: chunks no manifest names, which an eviction
+    frees first) failed the save after deleting them, the room made and unused."""
+    config = CacheConfig(tiers=(TierConfig("disk", 1 << 20, root),), chunk_tokens=16)
+    with Cache(config, background=False) as cache:
+        key = cache.save(chunked_request(NS, list(range(48)), tier="disk"), sync=True)
+        assert key is not None
+    (root / f"{key.hex()}.kvc").unlink()  # its three chunks are orphans now
+    with Cache(config, background=False) as cache:
+        assert cache.counters()["tier_disk_chunks"] == 3 and not cache.rows()
+        full = FullOnce()
+        monkeypatch.setattr(publish, "_write_all", full)
+        saved = cache.save(req((7,) * 8, ROW, tier="disk"), sync=True)
+        assert saved is not None and cache.lookup_exact(saved) is not None
+        counters = cache.counters()
+        assert full.calls == 2  # refused once, then written
+        assert counters["saves_retried_after_enospc"] == 1
+        assert counters["save_failures"] == 0
+        assert len(list(root.glob("*.kvk"))) < 3

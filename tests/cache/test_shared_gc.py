@@ -7,8 +7,10 @@ one store stand for two processes (each knows only the rows it indexed)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -227,3 +229,30 @@ def test_a_sole_user_deletes_chunks_until_another_process_opens_the_directory(
         a.sweep_local(grace_s=0.0, force=True)
         assert _chunks(store) == set()  # no manifest names them: swept
     store.close()
+
+
+def test_a_sweep_beside_another_listing_of_the_directory_misses_no_manifest(
+    tmp_path: Path,
+) -> None:
+    """Found by review: every listing of a file tier's directory went through the one
+    descriptor the tier holds (``os.scandir(fd)`` dups it: one shared offset), so a listing
+    another thread had under way at the time (the sweeper's rescan, a second ``gc_shared``,
+    a caller's ``rescan``) left the sweep's own listings at the end of the directory: it saw
+    no manifest and deleted the chunks of another process's row. Here that other listing
+    is started (and left under way) at each of the sweep's steps."""
+    local = TierConfig("disk", 1 << 30, tmp_path / "local")
+    cfg = _config(local)
+    with Cache(cfg, background=False) as a, Cache(cfg, background=False) as b:
+        assert b.save(chunked_request(NS, R1, tier=local.name), sync=True)  # A never saw it
+        tier = a._tiers[local.name]
+        dir_fd = tier._files._dir  # type: ignore[attr-defined]
+
+        with ExitStack() as under_way:
+
+            def beside(step: str, name: str) -> None:
+                # Another thread's listing, one entry read so far.
+                next(under_way.enter_context(os.scandir(dir_fd)), None)
+
+            [swept] = a.gc_shared(grace_s=3600.0, now=time.time() + LATER, on_step=beside)
+        assert (swept.deleted, swept.manifests) == (0, 1)
+        assert _restores(b, R1)

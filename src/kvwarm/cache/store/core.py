@@ -541,7 +541,7 @@ class CacheCore:
         count_chunks: bool = True,
     ) -> StoredRow | None:
         """``chunking.store_row``; on ENOSPC, evict from ``tier`` (its policy picks) about
-        the save's size and retry once. Without a row to evict the error stands. In a tier of
+        the save's size and retry once. With nothing freed the error stands. In a tier of
         this process's memory (``ram``) the bytes a save adds hold their room under its quota
         before they are copied in (``hold_room``), so saves stored at once cannot overshoot it;
         other tiers' quotas are enforced after each store."""
@@ -565,7 +565,9 @@ class CacheCore:
                 + self.ENOSPC_SLACK_BYTES
             )
             freed = self.retire(self.index.evict(need, (tier.name,)), count=True)
-            if not freed.rows:
+            # Bytes, not rows: an eviction frees orphan chunks (a crash's leftovers) first,
+            # and those alone may be the room (found by review: retried only after a row).
+            if not freed.bytes:
                 raise
             log.warning(
                 "%s: filesystem full; evicted %d row(s) (%d bytes) and retrying the save of %s",

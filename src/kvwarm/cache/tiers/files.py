@@ -52,6 +52,7 @@ from kvwarm.cache.protocols import TierCapabilities
 from kvwarm.cache.tiers import filescan
 from kvwarm.cache.tiers.cotenants import PROCS, Cotenants
 from kvwarm.cache.tiers.fsutil import (
+    list_dir,
     open_private_dir,
     open_regular,
     read_exact,
@@ -228,7 +229,7 @@ class FileStore:
         """Sorted; every entry but directories (``procs/``, ``quarantine/``: not objects), a
         chunk file ``<hex>.kvk`` as ``chunks/<hex>.kvk``."""
         try:
-            files = [e.name for e in os.scandir(self._dir) if not e.is_dir(follow_symlinks=False)]
+            files = [name for name, is_dir in list_dir(self._dir) if not is_dir]
         except OSError as exc:
             raise CacheIOError(f"{self._tier}: cannot list {self._root}: {exc}") from exc
         named = (CHUNK_DIR + f if f.endswith(CHUNK_SUFFIX) else f for f in files)

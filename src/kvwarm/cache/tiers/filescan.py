@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvwarm.cache.tiers.fsutil import open_private_subdir, unlink_quiet
+from kvwarm.cache.tiers.fsutil import list_dir, open_private_subdir, unlink_quiet
 from kvwarm.cache.tiers.layout import (
     CHUNK_SUFFIX,
     PID_NAMESPACE,
@@ -81,12 +81,11 @@ def misplaced_dirs(dir_fd: int, root: Path, tier: str) -> list[tuple[str, str]]:
     each logged: left where it is (not ours to remove), yet never silent."""
     problems: list[tuple[str, str]] = []
     try:
-        with os.scandir(dir_fd) as entries:
-            names = sorted(
-                e.name
-                for e in entries
-                if e.name.endswith((ROW_SUFFIX, CHUNK_SUFFIX)) and e.is_dir(follow_symlinks=False)
-            )
+        names = sorted(
+            name
+            for name, is_dir in list_dir(dir_fd)
+            if is_dir and name.endswith((ROW_SUFFIX, CHUNK_SUFFIX))
+        )
     except OSError as exc:
         log.warning("%s: cannot list %s: %s", tier, root, exc)
         return problems

@@ -36,6 +36,10 @@ The cache directory is not trusted to be what we left there. Invariants:
   planted in place of a row cannot hang a reader (both surface as ``CacheFormatError``).
 - Reads use ``readinto`` into a buffer, never mmap: a mapping would turn an external truncation
   into SIGBUS.
+- A directory is listed through a descriptor of its own (``list_dir``), never through the one
+  the tier holds: ``os.scandir(fd)`` reads through a ``dup`` of it, which shares its offset
+  with every other listing of that fd, so two threads listing at once each saw part of the
+  directory, or none of it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
 
 __all__ = [
     "PRIVATE_DIR_MODE",
+    "list_dir",
     "open_private_dir",
     "open_private_subdir",
     "open_regular",
@@ -300,6 +305,21 @@ def _make_private(fd: int, where: str, *, tighten: bool = True) -> None:
             PRIVATE_DIR_MODE,
         )
         os.fchmod(fd, PRIVATE_DIR_MODE)
+
+
+def list_dir(dir_fd: int) -> list[tuple[str, bool]]:
+    """(name, is a directory, not through a link) of every entry below ``dir_fd``, read
+    through a descriptor of this listing's own. Found by review: ``os.scandir(dir_fd)``
+    reads through a ``dup``, whose offset is shared with every other listing of the same
+    fd, so a listing another thread had under way (the sweeper's rescan beside a
+    ``gc_shared``) left this one at the end of the directory: a sweep that saw no manifest
+    deleted the chunks of other processes' rows."""
+    fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        with os.scandir(fd) as entries:
+            return [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+    finally:
+        os.close(fd)
 
 
 def open_regular(dir_fd: int, name: str, flags: int) -> int:
