@@ -60,3 +60,29 @@ def test_chunked_mode_rejects_a_non_gguf_file(tmp_path: Path) -> None:
     f.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(ModelLoadError):
         fingerprint(f, FingerprintMode.GGUF_CHUNKED)
+
+
+@pytest.mark.parametrize("mode", [FingerprintMode.SAFE, FingerprintMode.GGUF_CHUNKED])
+def test_a_split_model_is_every_parts_content(tmp_path: Path, mode: FingerprintMode) -> None:
+    """Found by review: only the first part was hashed, so two models whose first parts are
+    alike (the tokenizer and the first tensors of one base) shared a cache key."""
+    from tests.tinymodels import write_reranker
+
+    from kvwarm.engine.fingerprint import model_fingerprint
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for directory, seed in ((mine, 7), (other, 8)):
+        directory.mkdir()
+        write_reranker(
+            directory / "m.gguf", "decoder", template=None, seed=seed, split_max_tensors=3
+        )
+    first = "m-00001-of-00009.gguf"
+    assert (mine / "m-00009-of-00009.gguf").is_file()
+    shutil.copyfile(mine / first, other / first)  # the same first part, other weights after it
+    assert model_fingerprint(mine / first, mode, None) != model_fingerprint(
+        other / first, mode, None
+    )
+    # A model in one file keeps its key.
+    single = tmp_path / "single.gguf"
+    write_reranker(single, "decoder", template=None)
+    assert model_fingerprint(single, mode, None) == fingerprint(single, mode)
