@@ -68,6 +68,23 @@ def model_fingerprint(
     return digest.digest()
 
 
+FileIdentity = tuple[tuple[int, int, int, int], ...]
+
+
+def file_identity(path: Path) -> FileIdentity:
+    """Which files ``path`` (and a split model's other parts) are now: each one's device,
+    inode, size and modification time; () for a model without a file. The same before its
+    fingerprint and after its weights were read: the fingerprint is of what was read."""
+    out = []
+    for part in (path, *models_dir.parts(path)):
+        try:
+            st = part.stat()
+        except OSError:
+            continue  # no file (the stub's), or a part missing: the load says so
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 def with_projector(model_fp: bytes, path: Path, mode: FingerprintMode) -> bytes:
     """``model_fp`` with the multimodal projector at ``path`` folded in: an image's KV depends
     on the projector that encoded it (``companion_fingerprint``)."""
