@@ -60,3 +60,62 @@ def test_chunked_mode_rejects_a_non_gguf_file(tmp_path: Path) -> None:
     f.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(ModelLoadError):
         fingerprint(f, FingerprintMode.GGUF_CHUNKED)
+
+
+@pytest.mark.parametrize("mode", [FingerprintMode.SAFE, FingerprintMode.GGUF_CHUNKED])
+def test_a_split_model_is_every_parts_content(tmp_path: Path, mode: FingerprintMode) -> None:
+    """Found by review: only the first part was hashed, so two models whose first parts are
+    alike (the tokenizer and the first tensors of one base) shared a cache key."""
+    from tests.tinymodels import write_reranker
+
+    from kvwarm.engine.fingerprint import model_fingerprint
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for directory, seed in ((mine, 7), (other, 8)):
+        directory.mkdir()
+        write_reranker(
+            directory / "m.gguf", "decoder", template=None, seed=seed, split_max_tensors=3
+        )
+    first = "m-00001-of-00009.gguf"
+    assert (mine / "m-00009-of-00009.gguf").is_file()
+    shutil.copyfile(mine / first, other / first)  # the same first part, other weights after it
+    assert model_fingerprint(mine / first, mode, None) != model_fingerprint(
+        other / first, mode, None
+    )
+    # A model in one file keeps its key.
+    single = tmp_path / "single.gguf"
+    write_reranker(single, "decoder", template=None)
+    assert model_fingerprint(single, mode, None) == fingerprint(single, mode)
+
+
+def test_a_file_replaced_after_it_was_hashed_is_not_loaded_under_its_old_key(
+    tmp_path: Path,
+) -> None:
+    """Found by review: the fingerprint was of the file as it was hashed, the weights of the
+    file as the backend read it a moment later; a file replaced between the two loaded the
+    new weights under the old key (their KV saved, and restored, as the old file's)."""
+    from kvwarm.backends.base import ModelParams
+    from kvwarm.backends.stub import StubBackend, StubModel
+    from kvwarm.cache.types import CacheConfig, TierConfig
+    from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+    from kvwarm.errors import ModelLoadError
+
+    f, update = tmp_path / "m.gguf", tmp_path / "update.gguf"
+    f.write_bytes(b"old weights" * 100)
+    update.write_bytes(b"new weights" * 100)
+
+    class Replaced(StubBackend):
+        """A backend that reads the file only once someone replaced it (``os.replace``)."""
+
+        def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
+            if update.exists():
+                update.replace(f)
+            return super().load_model(path, params)
+
+    cache = CacheConfig(tiers=(TierConfig("ram", 1 << 24),))
+    with Engine(EngineConfig(cache=cache)) as engine:
+        with pytest.raises(ModelLoadError, match="changed on disk while it loaded"):
+            engine.load_model(f, config=ModelConfig(backend=Replaced()))
+        # Loaded again, its fingerprint is of the file it now is.
+        model = engine.load_model(f, config=ModelConfig(backend=Replaced()))
+        assert fingerprint(f, FingerprintMode.SAFE) in model.cache_fingerprints()

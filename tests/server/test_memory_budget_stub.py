@@ -14,7 +14,7 @@ from tests.server.conftest import stub_settings, wait_ready
 from kvwarm.backends.stub import STUB_WEIGHTS_BYTES
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TierConfig, TtlClass
 from kvwarm.engine.worker.drafts import Cost, PassCost
-from kvwarm.errors import ConfigError, MemoryBudgetError
+from kvwarm.errors import BackendError, ConfigError, MemoryBudgetError
 from kvwarm.server import create_app
 from kvwarm.server.budget import CacheOwner, ModelMemory, cache_shares, plan
 from kvwarm.server.errors import kind_of
@@ -170,6 +170,31 @@ def test_an_embedding_context_past_the_budget_empties_the_ram_tier_and_says_so(
     assert memory["tiers"]["ram"]["quota_bytes"] == 0
     assert memory["total_bytes"] > memory["budget_bytes"]
     assert any("the RAM tier is emptied" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_model_whose_unload_raised_is_counted_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: an unload that raised (freeing its native state failed, after the
+    engine had forgotten the model) left the model in the budget: listed in ``/cache/stats``
+    while the registry had it unloaded, its memory kept from the RAM tier and from every
+    later load."""
+    with TestClient(create_app(stub_settings(memory_budget=GIB))) as c:
+        wait_ready(c.get)
+        engine = c.app.state.kvwarm.engine  # type: ignore[attr-defined]
+        unload = engine.unload_model
+
+        def failing(model_id: str) -> None:
+            unload(model_id)
+            raise BackendError("freeing the context failed")
+
+        monkeypatch.setattr(engine, "unload_model", failing)
+        before = c.get("/cache/stats").json()["memory"]
+        r = c.post("/admin/models/unload", json={"model": "b"})
+        after = c.get("/cache/stats").json()["memory"]
+    assert r.status_code == 200 and r.json()["status"] == "available"
+    assert list(after["models"]) == ["a"]
+    b = before["models"]["b"]
+    freed = b["weights_bytes"] + b["context_bytes"]
+    assert after["tiers"]["ram"]["quota_bytes"] == before["tiers"]["ram"]["quota_bytes"] + freed
 
 
 def test_a_ram_url_tier_counts_against_the_budget_as_shm_does() -> None:

@@ -6,6 +6,10 @@ Modes (``FingerprintMode``):
 - ``gguf_chunked``: sha256 of the GGUF header, metadata, tensor table and the first tensor's
   bytes, plus the file size. Catches accidental corruption and different files, not tampering.
 - ``fast_unsafe``: the caller supplies the 32-byte digest and is trusted.
+
+A model split into parts (``NAME-00001-of-0000N.gguf``, llama.cpp opens the others by name
+beside the first) is every part's content: each part is hashed as the first is and folded in
+(``model_fingerprint``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from kvwarm import models_dir
 from kvwarm.cache.types import FingerprintMode
 from kvwarm.errors import ConfigError, InvalidModelFileError
 from kvwarm.gguf_meta import read_metadata, unpack_from_file
@@ -44,10 +49,40 @@ def model_fingerprint(
 ) -> bytes:
     """The fingerprint of the model at ``path``. A model without a weights file (a backend that
     needs none, like the stub; ``Backend.locate`` refuses a missing file for the others) is
-    identified by its path; the prefix keeps existing rows' keys."""
+    identified by its path; the prefix keeps existing rows' keys.
+
+    A split model's other parts are hashed as its first is and folded in (a model in one
+    file keeps its key). Found by review: only the first part was hashed, so a model whose
+    later parts changed (a first part of metadata alone, ``gguf-split
+    --no-tensor-first-split``, is the same for every fine-tune of one base) restored KV
+    another model's weights made."""
     if not path.is_file():
         return hashlib.sha256(b"stub:" + str(path).encode()).digest()
-    return fingerprint(path, mode, supplied, progress)
+    first = fingerprint(path, mode, supplied, progress)
+    others = [p for p in models_dir.parts(path) if p.is_file()]  # one missing: the load says
+    if not others or mode is FingerprintMode.FAST_UNSAFE:  # a supplied digest is the model's
+        return first
+    digest = hashlib.sha256(b"kvwarm-split\0" + first)
+    for part in others:
+        digest.update(fingerprint(part, mode))
+    return digest.digest()
+
+
+FileIdentity = tuple[tuple[int, int, int, int], ...]
+
+
+def file_identity(path: Path) -> FileIdentity:
+    """Which files ``path`` (and a split model's other parts) are now: each one's device,
+    inode, size and modification time; () for a model without a file. The same before its
+    fingerprint and after its weights were read: the fingerprint is of what was read."""
+    out = []
+    for part in (path, *models_dir.parts(path)):
+        try:
+            st = part.stat()
+        except OSError:
+            continue  # no file (the stub's), or a part missing: the load says so
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def with_projector(model_fp: bytes, path: Path, mode: FingerprintMode) -> bytes:

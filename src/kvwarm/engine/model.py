@@ -58,6 +58,7 @@ from kvwarm.engine.describe import (
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import (
     companion_fingerprint,
+    file_identity,
     model_fingerprint,
     parse_mode,
     with_projector,
@@ -106,6 +107,7 @@ from kvwarm.errors import (
     EngineClosedError,
     HandleClosedError,
     InvalidRequestError,
+    ModelLoadError,
 )
 from kvwarm.media import Audio
 from kvwarm.tokens import Prompt, span_ids
@@ -176,6 +178,7 @@ class Model:
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
         phases = LoadProgress(progress, mode, path.is_file())
+        hashed = file_identity(path)
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         #: This load's own salt: the namespace of an adapter set whose sum llama.cpp orders by
         #: address, in deterministic mode (``_namespace_of``).
@@ -186,6 +189,15 @@ class Model:
         exact_rows = needs_exact_rows(cfg, path)
         params = replace(cfg.model_params, progress=phases.weights(), exact_rows=exact_rows)
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
+        if file_identity(path) != hashed:
+            # Found by review: a file replaced (or rewritten) after it was hashed and before
+            # llama.cpp read it loaded the new weights under the old file's fingerprint, so
+            # their KV was saved, and later restored, as the old file's.
+            self._bmodel.close()
+            raise ModelLoadError(
+                f"{path} changed on disk while it loaded (its fingerprint is of the file it "
+                "was before): load it again"
+            )
         self._projector: Projector | None = None
         self._draft: DraftModel | None = None
         #: The context as configured, before the backend resolved its ``auto`` values.

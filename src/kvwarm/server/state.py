@@ -251,11 +251,19 @@ class ServerState:
                 engine.unload_model(entry.id)
             finally:
                 # Its counts live on in the server's totals: its worker has stopped (or died),
-                # so they are final, and the registry forgets the model next.
+                # so they are final, and the registry forgets the model next. Nor does the
+                # budget count it any more, whatever the unload raised (found by review: a
+                # failed free kept the model, unloaded for the registry and the engine, in
+                # the budget and in /cache/stats, its memory refused to every later load).
                 self.totals.retire(entry.id, entry.model)
-            with self._budget_lock:
-                self._admitted.pop(entry.id, None)
-                self._apply_plan(engine, self._plan(self._admitted.values()))
+                self._release(engine, entry.id)
+
+    def _release(self, engine: Engine, model_id: str) -> None:
+        """The budget without ``model_id``: the RAM tier grows by what it held (past the
+        budget still, as ``remeasure`` may leave it, the RAM tier stays empty)."""
+        with self._budget_lock:
+            self._admitted.pop(model_id, None)
+            self._apply_plan(engine, self._plan_or_over(self._admitted))
 
     # --- the memory budget ---------------------------------------------------------------------
 
@@ -313,17 +321,22 @@ class ServerState:
             if memory == self._admitted[model_id]:
                 return
             admitted = {**self._admitted, model_id: memory}
-            try:
-                plan = self._plan(admitted.values())
-            except MemoryBudgetError as exc:
-                log.error("%s; the RAM tier is emptied", exc)
-                plan = budget.overcommitted(
-                    self.settings.memory_budget,
-                    list(admitted.values()),
-                    self.settings.cache_config().tiers,
-                )
-            self._apply_plan(engine, plan)
+            self._apply_plan(engine, self._plan_or_over(admitted))
             self._admitted = admitted
+
+    def _plan_or_over(self, admitted: dict[str, ModelMemory]) -> budget.MemoryPlan:
+        """The plan of the models ``admitted``; past the budget (memory a loaded model
+        allocated since it was admitted), the RAM tier emptied and the log saying by how
+        much."""
+        try:
+            return self._plan(admitted.values())
+        except MemoryBudgetError as exc:
+            log.error("%s; the RAM tier is emptied", exc)
+            return budget.overcommitted(
+                self.settings.memory_budget,
+                list(admitted.values()),
+                self.settings.cache_config().tiers,
+            )
 
     def _apply_plan(self, engine: Engine, plan: budget.MemoryPlan) -> None:
         """Make ``plan`` the server's: with a budget, the RAM tier gets its remainder."""
