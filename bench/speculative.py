@@ -38,11 +38,12 @@ the first token comes from the prompt's pass), llama-server's own ``predicted_pe
 (measured 2026-11-29: kvwarm's ``generation_ms`` is within 0.3 ms of its ``predicted_ms``, so the
 earlier ``completion_tokens / generation_ms`` against ``predicted_n / predicted_ms`` counted the
 free first token on both sides alike; each speed is now 95/96 of what it was), the ratio to
-kvwarm plain (of the medians, and the median of each round's ratio: ``paired``), the drafts accepted/drafted, and whether the text is the plain text of the same
-numerics (greedy: it must be, everywhere): a speculating kvwarm's is kvwarm-fa's (flash
-attention on, as speculation runs it), llama-server's types' is llama-server plain's. Run it
-alone: two processes decoding at once on 2 cores halve each other; it prints the machine's
-load average before and after, which says what else ran.
+kvwarm plain (of the medians, and the median of each round's ratio: ``paired``), the drafts
+accepted/drafted, and whether the text is the plain text of the same numerics (greedy: it
+must be, everywhere): a speculating kvwarm's is kvwarm-fa's (flash attention on, as
+speculation runs it), llama-server's types' is llama-server plain's. Run it alone: two
+processes decoding at once on 2 cores halve each other; it prints the machine's load average
+before and after, which says what else ran.
 """
 
 from __future__ import annotations
