@@ -143,7 +143,8 @@ async def chat_completions(request: Request) -> Response:
         model.id,
         state,
         user=req.user,
-        names=req.sent_as(),
+        # The prompt is the messages: a prompt too long names them, as OpenAI's error does.
+        names={"prompt": "messages", **req.sent_as()},
     )
     ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:

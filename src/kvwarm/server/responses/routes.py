@@ -272,7 +272,10 @@ async def create_response(request: Request) -> Response:
         names=req.sent_as(),
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
-    stream = await start_stream(chat.submit(model, plan, opts), req.sent_as())
+    # The prompt is the input (a prompt too long names it, not chat's ``prompt``).
+    stream = await start_stream(
+        chat.submit(model, plan, opts), {"prompt": "input", **req.sent_as()}
+    )
     # A background response's generation is watched by no client: it outlives the POST.
     watch = not req.background
     gen = Generation(request, stream, "responses", model.id, state, watch=watch, user=req.user)
