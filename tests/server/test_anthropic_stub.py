@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anthropic as sdk
 import pytest
 from fastapi.testclient import TestClient
 
-from kvwarm.engine.types import Completion, CompletionStats
-from kvwarm.server import create_app
+from kvwarm.engine.types import Completion, CompletionStats, GenerationOptions
+from kvwarm.server import convert, create_app
 from kvwarm.server.anthropic import translate as anthropic
 from kvwarm.server.anthropic.schemas import MessagesRequest
 from kvwarm.server.chat import ChatReply
@@ -239,7 +240,7 @@ def _reply(text: str, calls: list[ToolCall], finish: str = "stop") -> ChatReply:
 def test_tool_use_reply_blocks_and_stream_events() -> None:
     call = ToolCall("call_abc", "get_weather", '{"city": "Oslo"}')
     reply = _reply("Let me look.", [call])
-    body = anthropic.message("msg_1", "a", reply)
+    body = anthropic.message("msg_1", "a", reply, 3)
     assert body["stop_reason"] == "tool_use"
     assert body["content"] == [
         {"type": "text", "text": "Let me look."},
@@ -252,7 +253,7 @@ def test_tool_use_reply_blocks_and_stream_events() -> None:
         "cache_read_input_tokens": 4,
         "cache_creation_input_tokens": 6,
     }
-    events = anthropic.MessageEvents("msg_1", "a")
+    events = anthropic.MessageEvents("msg_1", "a", 3)
     seq = [events.start(), *events.text("Let me"), *events.text(" look."), *events.call(call)]
     seq += events.finish(_reply("Let me look.", [call]))
     names = [n for n, _ in seq]
@@ -284,12 +285,43 @@ def test_tool_use_reply_blocks_and_stream_events() -> None:
 
 
 def test_forced_call_stream_has_no_text_block_and_max_tokens_maps() -> None:
-    events = anthropic.MessageEvents("m", "a")
+    events = anthropic.MessageEvents("m", "a", 3)
     call = ToolCall("call_x", "f", "{}")
     names = [n for n, _ in [*events.call(call), *events.finish(_reply("", [call]))]]
     assert names[:3] == ["content_block_start", "ping", "content_block_delta"]
-    cut = anthropic.message("m", "a", _reply("abc", [], finish="length"))
+    cut = anthropic.message("m", "a", _reply("abc", [], finish="length"), 3)
     assert cut["stop_reason"] == "max_tokens"
+
+
+def test_a_reply_the_context_cut_short_is_model_context_window_exceeded(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: a reply that filled the model's context before its max_tokens said
+    # "max_tokens", as if the client's budget ran out (and asking again with more would help);
+    # Anthropic's API says "model_context_window_exceeded" there, its SDKs' StopReason.
+    options = convert.options
+
+    def without_eos(*args: object, **kwargs: object) -> GenerationOptions:
+        opts = options(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(opts, ignore_eos=True)
+
+    monkeypatch.setattr(convert, "options", without_eos)
+    body = {**BASE, "model": "b", "max_tokens": 1000}  # b's context: 256 tokens
+    whole = client.post("/v1/messages", json=body).json()
+    assert whole["stop_reason"] == "model_context_window_exceeded", whole
+    assert whole["stop_sequence"] is None
+    usage = whole["usage"]
+    prompt = sum(usage[p] for p in ("input_tokens", "cache_read_input_tokens"))
+    assert prompt + usage["cache_creation_input_tokens"] + usage["output_tokens"] == 256
+    claude = sdk.Anthropic(
+        base_url="http://testserver", api_key="k", http_client=client, max_retries=0
+    )
+    with claude.messages.stream(model="b", max_tokens=1000, messages=[USER]) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "model_context_window_exceeded"
+    # A reply its own max_tokens ended is still "max_tokens".
+    cut = client.post("/v1/messages", json={**body, "max_tokens": 5}).json()
+    assert cut["stop_reason"] == "max_tokens" and cut["usage"]["output_tokens"] == 5
 
 
 def test_structured_output_format_reaches_the_grammar(client: TestClient) -> None:

@@ -612,8 +612,14 @@ def test_unknown_fields_are_ignored(client: TestClient) -> None:
 def test_over_long_prompt_is_context_length_exceeded(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "b", "prompt": "x" * 400})
     assert_error(response, 400, "context_length_exceeded", "prompt")
-    chat = {"model": "b", "messages": [{"role": "user", "content": "y" * 400}], "stream": True}
-    assert_error(client.post("/v1/chat/completions", json=chat), 400, "context_length_exceeded")
+    # Each API names the field that holds its prompt (found by review: chat and Responses
+    # named "prompt", a field neither request has; OpenAI's names "messages" there).
+    chat = {"model": "b", "messages": [{"role": "user", "content": "y" * 400}]}
+    for streamed in (False, True):
+        over = client.post("/v1/chat/completions", json=chat | {"stream": streamed})
+        assert_error(over, 400, "context_length_exceeded", "messages")
+    over = client.post("/v1/responses", json={"model": "b", "input": "y" * 400, "stream": True})
+    assert_error(over, 400, "context_length_exceeded", "input")
 
 
 def test_oversized_bodies_are_413(client: TestClient) -> None:

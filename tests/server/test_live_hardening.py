@@ -110,6 +110,7 @@ def test_every_api_sampling_option_has_a_case() -> None:
         # ["text"] served, audio refused (400): test_surface_stub.py, audio output
         "modalities",
         "audio",
+        "moderation",  # refused (400): test_surface_stub.py
         "prediction",  # live: test_a_chat_prediction_is_served below
     }
 

@@ -417,10 +417,10 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
 #: Declared fields no valid body above sets, and why.
 UNSET = {
     # Read only to be refused by name (typed ``object``): never valid.
-    "/v1/chat/completions": {"functions", "function_call", "best_of", "audio"},
-    # A stored response's id: a string, which lax mode already held to one; a conversation
-    # and a prompt template are read only to be refused by name (typed ``object``).
-    "/v1/responses": {"previous_response_id", "conversation", "prompt"},
+    "/v1/chat/completions": {"functions", "function_call", "best_of", "audio", "moderation"},
+    # A stored response's id: a string, which lax mode already held to one; a conversation,
+    # a prompt template and moderation are read only to be refused by name (typed ``object``).
+    "/v1/responses": {"previous_response_id", "conversation", "prompt", "moderation"},
     # Needs cache_salt_from_auth; a string, which lax mode already held to one.
     "/cache/prewarm": {"tenant_key"},
     # A path needs a configured key; both strings, which lax mode already held to one.

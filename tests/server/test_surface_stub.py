@@ -322,6 +322,42 @@ def test_audio_output_is_refused_not_ignored(client: OpenAI) -> None:
     assert text.choices[0].message.audio is None
 
 
+def test_moderation_is_refused_not_ignored(client: OpenAI) -> None:
+    # OpenAI's moderation (chat and Responses): a moderation model's scores on the input and
+    # output, a policy of "block" withholding what it flags. kvwarm runs none: the request
+    # was served unmoderated, its policy ignored and the reply's moderation null, without a
+    # word. null asks for none and passes.
+    moderation = {"model": "omni-moderation-latest", "policy": {"output": {"mode": "block"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            moderation=moderation,  # type: ignore[arg-type]
+            max_tokens=1,
+        )
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["param"] == "moderation"
+    assert caught.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model="a",
+            input="hi",
+            moderation=moderation,  # type: ignore[arg-type]
+            max_output_tokens=1,
+            store=False,
+        )
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["param"] == "moderation"
+    assert caught.value.body["code"] == "unsupported_parameter"
+    unmoderated = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        moderation=None,
+        max_tokens=1,
+    )
+    assert unmoderated.moderation is None
+
+
 def test_top_p_zero_is_in_range_and_keeps_the_likeliest_token(
     client: OpenAI, live: LiveServer
 ) -> None:

@@ -228,6 +228,19 @@ class SamplingFields(_Body):
     )
 
 
+def refuse_moderation(moderation: object | None) -> None:
+    """400 for a request asking for OpenAI's moderation (chat, Responses): kvwarm has no
+    moderation model to score the input and output with, nor to block them by."""
+    if moderation is not None:
+        raise HTTPError(
+            400,
+            "moderation is not supported: this server runs no moderation model; moderate "
+            "the input and the reply in the client",
+            code="unsupported_parameter",
+            param="moderation",
+        )
+
+
 def check_sampling(req: SamplingFields) -> None:
     """What OpenAI refuses and validation alone does not: ``stream_options`` without a stream
     (its usage chunk would never come)."""
@@ -497,6 +510,10 @@ class ChatRequest(SamplingFields, FunctionTools):
     # would get a text reply whose message.audio is null (found by review).
     modalities: list[str] | None = None
     audio: object | None = None
+    # OpenAI's moderation of the input and output (a policy of "block" withholds what it
+    # flags): kvwarm runs no moderation model, so it is refused, not ignored (found by
+    # review: served unmoderated without a word). Null asks for none.
+    moderation: object | None = None
     prediction: Prediction | None = None
 
 

@@ -104,9 +104,9 @@ async def messages(request: Request) -> Response:
     name = state.lora.reply_name(req.model, model)
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
-        return JSONResponse(anthropic.message(msg_id, name, reply))
+        return JSONResponse(anthropic.message(msg_id, name, reply, opts.max_tokens))
     await gen.open_streaming()
-    events = anthropic.MessageEvents(msg_id, name, len(stream.prompt_tokens))
+    events = anthropic.MessageEvents(msg_id, name, opts.max_tokens, len(stream.prompt_tokens))
     body = anthropic.stream_events(events, chat.streamed_reply(gen, plan))
     return StreamingResponse(
         named_sse(body, gen.close, anthropic.stream_error),

@@ -368,10 +368,15 @@ def usage(stats: CompletionStats) -> Json:
     }
 
 
-def stop_reason(reply: ChatReply) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished reply."""
+def stop_reason(reply: ChatReply, max_tokens: int) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished reply; ``max_tokens``: the length it ran
+    under (the client's, or the server's limit where that capped it). A reply cut short of
+    it filled the model's context: Anthropic's ``model_context_window_exceeded`` (found by
+    review: it said ``max_tokens``, as if a larger budget would have let it go on)."""
     stats = reply.done.stats
     if stats.finish_reason == "length":  # even after calls: the one cut off is lost
+        if stats.completion_tokens < max_tokens:
+            return "model_context_window_exceeded", None
         return "max_tokens", None
     if reply.calls:
         return "tool_use", None
@@ -397,11 +402,11 @@ def _input_json(call: ToolCall) -> str:
     return json.dumps(tool_use(call)["input"])
 
 
-def message(msg_id: str, model_id: str, reply: ChatReply) -> Json:
+def message(msg_id: str, model_id: str, reply: ChatReply, max_tokens: int) -> Json:
     content: list[Json] = [
         {"type": "text", "text": p} if isinstance(p, str) else tool_use(p) for p in reply.parts
     ]
-    reason, sequence = stop_reason(reply)
+    reason, sequence = stop_reason(reply, max_tokens)
     return {
         "id": msg_id,
         "type": "message",
@@ -417,9 +422,10 @@ def message(msg_id: str, model_id: str, reply: ChatReply) -> Json:
 class MessageEvents:
     """Anthropic's stream events for one reply; blocks are numbered as they open."""
 
-    def __init__(self, msg_id: str, model_id: str, prompt_tokens: int = 0) -> None:
+    def __init__(self, msg_id: str, model_id: str, max_tokens: int, prompt_tokens: int = 0) -> None:
         self.msg_id = msg_id
         self.model_id = model_id
+        self.max_tokens = max_tokens  # the reply's length limit (``stop_reason``)
         self.prompt_tokens = prompt_tokens  # 0 where the stream cannot tell yet (a replica's)
         self._index = -1
         self._text_open = False
@@ -493,7 +499,7 @@ class MessageEvents:
         if not self._pinged:
             self._pinged = True
             events.append(("ping", {"type": "ping"}))
-        reason, sequence = stop_reason(reply)
+        reason, sequence = stop_reason(reply, self.max_tokens)
         delta: Json = {"stop_reason": reason, "stop_sequence": sequence}
         final: Json = {"type": "message_delta", "delta": delta, "usage": usage(reply.done.stats)}
         events += [("message_delta", final), ("message_stop", {"type": "message_stop"})]

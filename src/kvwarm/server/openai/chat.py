@@ -40,6 +40,7 @@ from kvwarm.server.schemas import (
     lora_pairs,
     parse_body,
     read_json,
+    refuse_moderation,
 )
 from kvwarm.server.served import ServedModel
 from kvwarm.server.state import server_state
@@ -92,6 +93,7 @@ async def chat_completions(request: Request) -> Response:
             param="audio",
             code="unsupported_parameter",
         )
+    refuse_moderation(req.moderation)
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(
@@ -141,7 +143,8 @@ async def chat_completions(request: Request) -> Response:
         model.id,
         state,
         user=req.user,
-        names=req.sent_as(),
+        # The prompt is the messages: a prompt too long names them, as OpenAI's error does.
+        names={"prompt": "messages", **req.sent_as()},
     )
     ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:

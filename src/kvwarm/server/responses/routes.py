@@ -47,7 +47,14 @@ from kvwarm.server.guard import presented_key
 from kvwarm.server.responses import translate as responses
 from kvwarm.server.responses.schemas import ResponsesRequest
 from kvwarm.server.responses.store import Pending, StoredResponse
-from kvwarm.server.schemas import ChatMessage, check_count, json_body, parse_body, read_json
+from kvwarm.server.schemas import (
+    ChatMessage,
+    check_count,
+    json_body,
+    parse_body,
+    read_json,
+    refuse_moderation,
+)
 from kvwarm.server.state import ServerState, server_state
 from kvwarm.server.tools import ChatPlan
 from kvwarm.settings import Settings
@@ -171,6 +178,7 @@ async def create_response(request: Request) -> Response:
                 code="unsupported_parameter",
                 param=field,
             )
+    refuse_moderation(req.moderation)
     if req.background and not req.store:
         raise HTTPError(
             400,
@@ -264,7 +272,10 @@ async def create_response(request: Request) -> Response:
         names=req.sent_as(),
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
-    stream = await start_stream(chat.submit(model, plan, opts), req.sent_as())
+    # The prompt is the input (a prompt too long names it, not chat's ``prompt``).
+    stream = await start_stream(
+        chat.submit(model, plan, opts), {"prompt": "input", **req.sent_as()}
+    )
     # A background response's generation is watched by no client: it outlives the POST.
     watch = not req.background
     gen = Generation(request, stream, "responses", model.id, state, watch=watch, user=req.user)

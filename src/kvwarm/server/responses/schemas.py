@@ -186,6 +186,8 @@ class ResponsesRequest(_Body):
     # them left the model without the history or instructions they stand for.
     conversation: object | None = None
     prompt: object | None = None
+    # OpenAI's moderation: refused, as on chat (``schemas.refuse_moderation``).
+    moderation: object | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
