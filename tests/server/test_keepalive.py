@@ -257,14 +257,16 @@ def test_a_prewarm_shorter_than_min_tokens_is_a_400_and_is_not_kept_alive(
     app_clock: tuple[TestClient, Clock],
 ) -> None:
     """No row under min_tokens is saved or looked up: such a prewarm was prefilled, answered
-    200 with no key, and its keep-alive entry prefilled it again every period for nothing."""
+    200 with no key, and its keep-alive entry prefilled it again every period for nothing. A
+    chat's fault names its messages (found by review: it named ``prompt``, which the body did
+    not have)."""
     client, _ = app_clock
     short = client.post("/cache/prewarm", json={"prompt": "too short"})
     assert short.status_code == 400, short.json()
     error = short.json()["error"]
     assert error["param"] == "prompt" and "rows are at least min_tokens" in error["message"]
     chat = client.post("/cache/prewarm", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt"
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     assert client.get("/cache/keepalive").json()["data"] == []
     long = client.post("/cache/prewarm", json={"prompt": "long enough " * 8})
     assert long.status_code == 200 and long.json()["key"] is not None

@@ -23,10 +23,10 @@ from kvwarm.backends.chat_template import BUILTIN_TEMPLATES
 from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats, ModelStatus
-from kvwarm.errors import ContextOverflowError
+from kvwarm.errors import ContextOverflowError, InvalidRequestError
 from kvwarm.server import convert, tenancy
 from kvwarm.server.budget import cache_shares
-from kvwarm.server.errors import HTTPError, error_body
+from kvwarm.server.errors import HTTPError, error_body, rename_param
 from kvwarm.server.keepalive import ChatPrefix, prompt_tokens
 from kvwarm.server.media import fetch_images
 from kvwarm.server.openai.completions import generation_settings
@@ -366,9 +366,6 @@ async def cache_prewarm(request: Request) -> Response:
         assert req.prompt is not None
         # Ids as a tuple: keep-alive keys its entries by the prompt, which must be hashable.
         prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)
-    if req.keep_alive:  # refuse before the prefill, not after it
-        known = await run_in_threadpool(prompt_tokens, model, prompt)
-        state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
 
     def work() -> CompletionStats:
         if isinstance(prompt, ChatPrefix):
@@ -378,7 +375,17 @@ async def cache_prewarm(request: Request) -> Response:
             return prompt.prewarm(model, ttl, salt)
         return model.prewarm(prompt, ttl_class=ttl, add_special=True, cache_salt=salt)
 
-    stats = await run_in_threadpool(work)
+    try:
+        if req.keep_alive:  # refuse before the prefill, not after it
+            known = await run_in_threadpool(prompt_tokens, model, prompt)
+            state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
+        stats = await run_in_threadpool(work)
+    except InvalidRequestError as exc:
+        if isinstance(prompt, ChatPrefix):
+            # The prompt is the messages: a fault of it names them (found by review: a chat
+            # too short for a row named ``prompt``, a field the body did not have).
+            rename_param(exc, {"prompt": "messages"})
+        raise
     if req.keep_alive:
         state.keepalive.register(
             model.id,
