@@ -94,6 +94,7 @@ FOREIGN_FLAGS = {
     "--worker-urls", "--policy", "--cache-threshold", "--balance-abs-threshold",
     "--balance-rel-threshold", "--node-ip-address", "--head", "--block", "--address", "--port",
     "--draft-p-min", "--poll", "--rerank", "--no-deps", "--no-cache-dir", "--force-reinstall",
+    "--no-tensor-first-split",
 }  # fmt: skip
 
 
