@@ -19,6 +19,7 @@ from tests.engine.mediakit import png
 from kvwarm.errors import MediaError
 from kvwarm.media import (
     MAX_JPEG_SCANS,
+    MAX_WAV_CHUNKS,
     Audio,
     Image,
     MediaBudget,
@@ -350,6 +351,57 @@ def test_audio_mtmd_cannot_take_is_refused() -> None:
     heard = load_media(clip, "audio", LIMITS, "p", sample_rate=16000)
     assert isinstance(heard, Audio) and (heard.sample_rate, heard.n_samples) == (16000, 1600)
     assert load_media(heard, "audio", LIMITS, "p", sample_rate=16000) is heard
+
+
+def plain_wav(payload: bytes, rate: int, bits: int = 8, chunks: bytes = b"") -> bytes:
+    """A mono integer-PCM WAV of ``payload`` at ``rate``, with ``chunks`` before its fmt."""
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * bits // 8, bits // 8, bits)
+    body = b"WAVE" + chunks + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(payload)) + payload
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_a_clip_too_long_or_past_the_budget_is_refused_before_its_samples_are_made() -> None:
+    """Found by review: a clip's length and its request's budget were checked once every
+    sample was made a float64 (8 bytes a sample of 8-bit audio) and mixed: a 16 MB WAV of
+    8-bit samples at 1 Hz (16M s) took 288 MB and 3 s before its 400. Both are read from the
+    data chunk's size now, before a sample is made: nothing the size of the file is."""
+    import tracemalloc
+
+    clip = plain_wav(bytes(4 << 20), rate=1)
+    budget_clip = plain_wav(bytes(4 << 20), rate=16000)
+    tight = MediaLimits(max_request_bytes=1000)
+    for data, limits, budget, needle in [
+        (clip, LIMITS, None, "media_max_audio_s"),
+        (budget_clip, tight, MediaBudget(tight), "media_max_request_bytes"),
+    ]:
+        tracemalloc.start()
+        try:
+            with pytest.raises(MediaError, match=needle) as info:
+                decode_audio(data, limits, "messages.0.content.1", 16000, budget)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert info.value.param == "messages.0.content.1"
+        assert peak < len(data) // 4, peak
+    # A clip within both is read as before: its samples, at the projector's rate.
+    fine = decode_audio(plain_wav(bytes(range(256)) * 4, rate=8000), LIMITS, "p", 16000)
+    got = np.frombuffer(fine.samples, "<f4")
+    assert got.shape == (2048,) and got[0] == -1.0 and got[2] == (1 - 128) / 128
+
+
+def test_a_wav_of_too_many_chunks_is_refused_before_they_are_read() -> None:
+    """Found by review: a WAV's chunks were all listed (each a copy of its bytes) before its
+    fmt was looked at, so 20 MB of empty chunks (2.5M of them) held a server thread for
+    seconds and took 200 MB, per clip. Past ``MAX_WAV_CHUNKS`` it is refused; what tools
+    write (fmt, data and a few of LIST, fact, bext, cue...) passes."""
+    tone = bytes(range(256)) * 4
+    few = b"LIST\x04\0\0\0INFO" + b"JUNK\0\0\0\0" * (MAX_WAV_CHUNKS - 4)
+    assert decode_audio(plain_wav(tone, 16000, chunks=few), LIMITS, "p", 16000).n_samples == 1024
+    many = b"JUNK\0\0\0\0" * (MAX_WAV_CHUNKS + 1)
+    with pytest.raises(MediaError, match=rf"more than the {MAX_WAV_CHUNKS} chunks") as info:
+        decode_audio(plain_wav(tone, 16000, chunks=many), LIMITS, "messages.0.content.1", 16000)
+    assert info.value.param == "messages.0.content.1"
 
 
 def test_data_uris_and_their_size_limit() -> None:

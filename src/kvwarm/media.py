@@ -44,6 +44,7 @@ __all__ = [
     "AUDIO_FORMATS",
     "IMAGE_FORMATS",
     "MAX_JPEG_SCANS",
+    "MAX_WAV_CHUNKS",
     "MIN_AUDIO_SAMPLES",
     "Audio",
     "Image",
@@ -346,18 +347,18 @@ def decode_audio(
 ) -> Audio:
     """float32 mono samples at ``sample_rate`` (the projector's) of a WAV file of integer or
     float PCM: channels are averaged, other rates resampled linearly. ``MediaError`` naming
-    ``where`` for anything else, and for a clip past what ``budget`` has left (counted from
-    its frame count, before it is mixed and resampled)."""
+    ``where`` for anything else, and for a clip too long or past what ``budget`` has left:
+    both read from its header and its data chunk's size, before a sample is made."""
     _check_size(data, limits, where)
     if "wav" not in limits.formats:
         raise MediaError(f"{where}: this server accepts no audio", param=where)
     if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise MediaError(f"{where} is not a WAV file (the audio format read)", param=where)
     try:
-        samples, rate, channels = _read_wav(data)
+        wav = _read_wav(data)
     except (ValueError, struct.error) as exc:
         raise MediaError(f"{where} is not a whole WAV file: {exc}", param=where) from exc
-    frames = samples.size // channels
+    frames, rate = wav.frames, wav.rate
     if frames == 0:
         raise MediaError(f"{where} holds no samples", param=where)
     if frames / rate > limits.max_audio_s:
@@ -369,7 +370,11 @@ def decode_audio(
     if budget is not None:
         out = frames if rate == sample_rate else max(1, round(frames * sample_rate / rate))
         budget.take(4 * out, where, f"{frames / rate:.1f} s of audio")
-    mono = samples[: frames * channels].reshape(frames, channels).mean(axis=1, dtype=np.float64)
+    samples = wav.samples()
+    if wav.channels == 1:  # a mean over one channel is that channel: no copy of it made
+        mono = samples
+    else:
+        mono = samples.reshape(frames, wav.channels).mean(axis=1, dtype=np.float64)
     return _clip_at(mono, rate, sample_rate, where)
 
 
@@ -395,16 +400,59 @@ def _clip_at(mono: npt.NDArray[np.floating], rate: int, sample_rate: int, where:
     return Audio(out.tobytes(), sample_rate)
 
 
-def _read_wav(data: bytes) -> tuple[npt.NDArray[np.float64], int, int]:
-    """(samples as float in [-1, 1], flat; rate; channels) of integer PCM (8-bit unsigned,
-    16, 24 or 32-bit signed) or IEEE float (32, 64-bit) WAV data, plain or
-    WAVE_FORMAT_EXTENSIBLE. Read from its chunks here, not by ``wave``: found by review, the
-    ``wave`` of Python 3.11 (the oldest kvwarm runs on) refuses an extensible integer WAV
-    ("unknown format: 65534"), what many tools write for 24-bit or multichannel audio, and
-    refuses float WAVs on every version."""
+#: The most chunks a WAV file may have. Found by review: every chunk was listed (a copy of
+#: its bytes each) before the fmt was looked at, so 20 MB of empty chunks, 2.5M of them, took
+#: seconds and 200 MB per clip. Tools write fmt, data and a few others (LIST, fact, bext,
+#: cue, JUNK...).
+MAX_WAV_CHUNKS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Wav:
+    """A WAV file's header and its data chunk, its samples not yet made (``samples``).
+    ``dtype`` is a numpy type of whole samples, or ``"<i3"`` for packed 24-bit ones."""
+
+    payload: memoryview
+    dtype: str
+    channels: int
+    rate: int
+
+    @property
+    def frame_bytes(self) -> int:
+        return self.channels * (3 if self.dtype == "<i3" else np.dtype(self.dtype).itemsize)
+
+    @property
+    def frames(self) -> int:
+        """Whole frames in the data chunk (a last frame cut short is dropped)."""
+        return len(self.payload) // self.frame_bytes
+
+    def samples(self) -> npt.NDArray[np.float64]:
+        """Every sample of the whole frames, flat, as float in [-1, 1] (float data as is)."""
+        raw = self.payload[: self.frames * self.frame_bytes]
+        if self.dtype == "<i3":
+            b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
+            packed = b[:, 0].astype(np.int64) | (b[:, 1].astype(np.int64) << 8)
+            packed = packed | (b[:, 2].astype(np.int64) << 16)
+            signed = np.where(packed >= 1 << 23, packed - (1 << 24), packed)
+            return signed.astype(np.float64) / float(1 << 23)
+        values = np.frombuffer(raw, dtype=self.dtype).astype(np.float64)
+        if self.dtype == "u1":
+            values -= 128.0
+            values /= 128.0
+        elif self.dtype in ("<i2", "<i4"):
+            values /= 32768.0 if self.dtype == "<i2" else float(1 << 31)
+        return values
+
+
+def _read_wav(data: bytes) -> _Wav:
+    """The header and data chunk of integer PCM (8-bit unsigned, 16, 24 or 32-bit signed) or
+    IEEE float (32, 64-bit) WAV data, plain or WAVE_FORMAT_EXTENSIBLE. Read from its chunks
+    here, not by ``wave``: found by review, the ``wave`` of Python 3.11 (the oldest kvwarm
+    runs on) refuses an extensible integer WAV ("unknown format: 65534"), what many tools
+    write for 24-bit or multichannel audio, and refuses float WAVs on every version."""
     fmt: tuple[int, int, int, int] | None = None
-    payload: bytes | None = None
-    for name, body in _chunks(data):
+    payload: memoryview | None = None
+    for name, body in _chunks(memoryview(data)):
         if name == b"fmt " and fmt is None:
             if len(body) < 16:
                 raise ValueError("fmt chunk too short")
@@ -428,38 +476,24 @@ def _read_wav(data: bytes) -> tuple[npt.NDArray[np.float64], int, int]:
         dtype = {32: "<f4", 64: "<f8"}.get(bits)
         if dtype is None:
             raise ValueError(f"{bits}-bit float samples")
-        raw = _whole_frames(payload, channels * bits // 8)
-        return np.frombuffer(raw, dtype=dtype).astype(np.float64), rate, channels
+        return _Wav(payload, dtype, channels, rate)
     if tag != 1:
         raise ValueError(f"format {tag:#x} (integer PCM and IEEE float are read)")
-    width = (bits + 7) // 8
-    raw = _whole_frames(payload, channels * width) if 1 <= width <= 4 else b""
-    if width == 1:
-        unsigned = np.frombuffer(raw, dtype=np.uint8).astype(np.float64)
-        return (unsigned - 128.0) / 128.0, rate, channels
-    if width == 2:
-        return np.frombuffer(raw, dtype="<i2").astype(np.float64) / 32768.0, rate, channels
-    if width == 3:
-        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
-        packed = b[:, 0].astype(np.int64) | (b[:, 1].astype(np.int64) << 8)
-        packed = packed | (b[:, 2].astype(np.int64) << 16)
-        signed = np.where(packed >= 1 << 23, packed - (1 << 24), packed)
-        return signed.astype(np.float64) / float(1 << 23), rate, channels
-    if width == 4:
-        return np.frombuffer(raw, dtype="<i4").astype(np.float64) / float(1 << 31), rate, channels
-    raise ValueError(f"{bits}-bit samples")
+    int_dtype = {1: "u1", 2: "<i2", 3: "<i3", 4: "<i4"}.get((bits + 7) // 8)
+    if int_dtype is None:
+        raise ValueError(f"{bits}-bit samples")
+    return _Wav(payload, int_dtype, channels, rate)
 
 
-def _whole_frames(payload: bytes, frame: int) -> bytes:
-    """``payload`` cut to whole frames of ``frame`` bytes (a last frame cut short dropped)."""
-    return payload[: len(payload) - len(payload) % max(frame, 1)]
-
-
-def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    out: list[tuple[bytes, bytes]] = []
+def _chunks(data: memoryview) -> list[tuple[bytes, memoryview]]:
+    """The (name, body) chunks of a RIFF file's ``data``, bodies as views (no copy); more
+    than ``MAX_WAV_CHUNKS`` is a ``ValueError`` as soon as they are counted."""
+    out: list[tuple[bytes, memoryview]] = []
     at = 12
     while at + 8 <= len(data):
-        name, size = data[at : at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        if len(out) == MAX_WAV_CHUNKS:
+            raise ValueError(f"more than the {MAX_WAV_CHUNKS} chunks a WAV file may have")
+        name, size = bytes(data[at : at + 4]), struct.unpack_from("<I", data, at + 4)[0]
         body = data[at + 8 : at + 8 + size]
         if len(body) != size:
             raise ValueError(f"chunk {name!r} is cut short")

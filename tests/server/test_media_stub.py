@@ -334,6 +334,32 @@ def test_input_audio_parts(client: TestClient) -> None:
     assert mp3["code"] == "invalid_media" and "not a WAV file" in mp3["message"], mp3
 
 
+def test_a_hostile_wav_is_a_400_naming_its_part(client: TestClient) -> None:
+    """A WAV of more chunks than any tool writes (``MAX_WAV_CHUNKS``: each was listed before
+    the fmt was read, seconds of a server thread for 20 MB of them) and one whose header says
+    it is days long (refused from its data chunk's size) are each a 400 ``invalid_media``
+    naming the part; the server answers the next request."""
+    from tests.test_media import plain_wav
+
+    from kvwarm.media import MAX_WAV_CHUNKS
+
+    tone = bytes(range(256)) * 4
+    for clip, needle in [
+        (plain_wav(tone, 16000, chunks=b"JUNK\0\0\0\0" * (MAX_WAV_CHUNKS + 1)), "chunks"),
+        (plain_wav(bytes(600_000), rate=1), "media_max_audio_s"),
+    ]:
+        part = {"type": "input_audio", "input_audio": {"data": b64(clip), "format": "wav"}}
+        body = {"model": "eye", "max_tokens": 4, "messages": [{"role": "user", "content": [part]}]}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.json()
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_media", "messages.0.content.0")
+        assert needle in error["message"], error
+    part = {"type": "input_audio", "input_audio": {"data": b64(plain_wav(tone, 16000))}}
+    body = {"model": "eye", "max_tokens": 4, "messages": [{"role": "user", "content": [part]}]}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
 def test_too_many_images_and_a_text_model_are_refused(client: TestClient) -> None:
     body = chat_body(data_uri(png(1)))
     parts = body["messages"][1]["content"]  # type: ignore[index]
