@@ -513,7 +513,11 @@ def list_sized(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str
 
 
 def list_aged(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str, int, float]]:
-    """(name, size, LastModified as epoch seconds) of every object under ``prefix``."""
+    """(name, size, LastModified as epoch seconds) of every object under ``prefix``. A page
+    not shaped as S3's is ``CacheFormatError``: an entry without a name or size, or a listing
+    said to go on without a new continuation token (found by review: a ``KeyError`` escaped
+    the startup scan, which takes cache errors, and stopped the process; a token handed back
+    again would have listed for ever)."""
     token: str | None = None
     while True:
         kwargs: dict[str, object] = {"Bucket": bucket, "Prefix": prefix}
@@ -521,12 +525,22 @@ def list_aged(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str,
             kwargs["ContinuationToken"] = token
         page = client.list_objects_v2(**kwargs)
         contents = page.get("Contents", [])
-        assert isinstance(contents, list)
+        if not isinstance(contents, list):
+            raise CacheFormatError(f"{bucket}: a listing's Contents is not a list")
         for item in contents:
+            key = item.get("Key") if isinstance(item, Mapping) else None
+            size = item.get("Size", 0) if isinstance(item, Mapping) else None
+            if not isinstance(key, str) or not isinstance(size, int):
+                raise CacheFormatError(f"{bucket}: a listing's entry has no name or size")
             stamp = item.get("LastModified")
             # No stamp (a store that omits it): as young as can be, so it is never swept.
             mtime = stamp.timestamp() if hasattr(stamp, "timestamp") else float("inf")
-            yield str(item["Key"]), int(item.get("Size", 0)), mtime
+            yield key, size, mtime
         if not page.get("IsTruncated"):
             return
-        token = str(page["NextContinuationToken"])
+        following = page.get("NextContinuationToken")
+        if not isinstance(following, str) or not following or following == token:
+            raise CacheFormatError(
+                f"{bucket}: a listing said to go on has no new continuation token"
+            )
+        token = following
