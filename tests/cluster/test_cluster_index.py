@@ -404,6 +404,22 @@ def test_a_prompt_reaches_the_replica_holding_its_leading_chunks() -> None:
     assert index.sizes()["chunks"] == 0 and index.sizes()["chunk_steps"] == 0
 
 
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+def test_a_prompt_of_ids_no_vocabulary_has_reaches_by_its_chain_alone(bad: int) -> None:
+    """A text completion's prompt may be token ids, passed to the router as they came (the
+    replica refuses ids its vocabulary lacks, as a 400). Encoding one outside 0..2^32-1 for
+    the chunk walk raised ValueError in ``reach``, so in the router (found by review): Ray's
+    routing task died and the request waited, unrouted, until its deadline."""
+    log = EventLog(PLACES, epoch="a")
+    index = ClusterIndex()
+    log.row_stored(chunked("c1", SYSTEM_TOKENS, (40,)))
+    log.served(("conv",), key("c1"), 40)
+    feed(index, "a", "n1", log)
+    prompt = (*SYSTEM_TOKENS, bad)
+    reach = index.reach(("conv",), None, {"a": "n1"}, tokens=prompt, namespace=NS)
+    assert reach == {"a": {"live": 40, "memory": 40}}  # the chain's slot and row: no chunks
+
+
 def test_chunks_past_a_rows_canonical_bits_and_on_a_node_tier_are_found() -> None:
     log = EventLog(PLACES, epoch="a")
     index = ClusterIndex()

@@ -165,3 +165,38 @@ def test_a_call_cancelled_while_its_generation_starts_cancels_it(
         assert replica.in_flight == 0 and not replica.running
     finally:
         replica.engine.close()
+
+
+def test_a_replicas_time_to_first_token_lapses_when_nothing_measured_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routers rank a replica whose reported time to first token is over 3x the median last,
+    so it gets no request that could measure it again: one slow spell (a few long cold
+    prompts) kept it out of rotation for good (found by review). The measure lapses after
+    ``TTFT_FRESH_S`` and the next request measures afresh, not blended with the stale one."""
+    from kvwarm.cluster import replica as replica_module
+
+    now = [1000.0]
+    monkeypatch.setattr(replica_module, "_clock", lambda: now[0])
+    fresh_s = replica_module.TTFT_FRESH_S
+    replica = EngineReplica(stub_settings(), replica_id="r1")
+    try:
+        assert replica.record_routing_stats()["ttft_ms"] is None  # nothing measured yet
+        _drive(replica, threading.Event(), [])
+        replica.ttft_ms = 60_000.0  # as a slow spell left it
+        assert replica.record_routing_stats()["ttft_ms"] == 60_000.0
+        now[0] += fresh_s / 2
+        assert replica.record_routing_stats()["ttft_ms"] == 60_000.0  # still recent
+        now[0] += fresh_s
+        assert replica.record_routing_stats()["ttft_ms"] is None  # lapsed: ranked as any
+        ttft: list[float] = []
+
+        async def run() -> None:
+            async for item in replica.generate(_call()):
+                if isinstance(item, Finished):
+                    ttft.append(item.completion.stats.ttft_ms)
+
+        asyncio.run(run())
+        assert replica.record_routing_stats()["ttft_ms"] == ttft[0]  # not blended with 60 s
+    finally:
+        replica.engine.close()

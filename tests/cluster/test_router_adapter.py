@@ -559,3 +559,52 @@ async def test_its_own_route_holds_while_the_finish_row_is_on_its_way() -> None:
     log_a.row_dropped(turn1, bytes_kept=False)  # now a holds nothing of it
     report(r, (a, log_a), (b, log_b))
     assert await first_choice(r, [a, b], follow_up) == "b"
+
+
+# ---- a fault in the router's own path never leaves a request unrouted ----------------------
+
+
+class Broken:
+    """A policy with a bug: every ranking raises."""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        self.config = config
+
+    def rank(self, request: RouteRequest, views: Sequence[ReplicaView]) -> Decision:
+        raise RuntimeError("a bug in the policy")
+
+
+async def test_a_routing_fault_falls_back_to_every_candidate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exception out of ``choose_replicas`` is not an error for the request: Ray logs it,
+    its routing task ends, and the request waits, unrouted, until its deadline (found by
+    review). The router logs the fault and lets Ray pick among all the candidates."""
+    register_policy("broken", Broken)
+    try:
+        r = router("broken")
+        a, b = FakeReplica("a"), FakeReplica("b")
+        with caplog.at_level("ERROR", logger="kvwarm.cluster.router"):
+            groups = await r.choose_replicas([a, b], chat("hello"))  # type: ignore[arg-type]
+        assert [[x.name for x in g] for g in groups] == [["a", "b"]]
+        assert "a bug in the policy" in caplog.text
+        # Calls pinned to a replica are still pinned (they never reach the policy).
+        pinned = FakePending([SnapshotCall(full_id(b))])
+        groups = await r.choose_replicas([a, b], pinned)  # type: ignore[arg-type]
+        assert [[x.name for x in g] for g in groups] == [["b"]]
+    finally:
+        unregister_policy("broken")
+
+
+async def test_a_prompt_of_ids_no_vocabulary_has_is_routed() -> None:
+    """A text completion's token ids reach the router as the client sent them; one outside
+    0..2^32-1 made the chunk walk raise, and the request was never routed (found by
+    review). It goes where its chain's facts say, for the replica to refuse it as a 400."""
+    r, a, b, _log_a, _log_b = one_slot_pair()
+    bad = (*DOCUMENT, -1)
+    call = Generate("m", "text", GenerationOptions(), prompt=bad, tokens=bad)
+    groups = await r.choose_replicas([a, b], FakePending([call]))  # type: ignore[arg-type]
+    assert sorted(g[0].name for g in groups) == ["a", "b"]
+    # With ids it can encode, the same prompt goes to b, whose RAM holds the document.
+    call = dataclasses.replace(call, prompt=DOCUMENT, tokens=DOCUMENT)
+    assert await first_choice(r, [a, b], FakePending([call])) == "b"

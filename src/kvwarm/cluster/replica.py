@@ -65,6 +65,12 @@ log = logging.getLogger("kvwarm.cluster.replica")
 # of a dozen turns. The stats travel to every router each period, so they stay small.
 REPORTED_HASHES = 4096
 _TTFT_WEIGHT = 0.2  # exponential moving average: about the last five requests
+# A time to first token measured longer ago than this is not reported: routers rank a replica
+# they take to be slow last, so it gets no request that could measure it again, and a stale
+# measure would keep it there for good. Once it lapses the replica is ranked by its load and
+# cache again; the next request it finishes measures afresh (the old average is dropped).
+TTFT_FRESH_S = 30.0
+_clock = time.monotonic
 
 
 def replica_name() -> str:
@@ -182,6 +188,7 @@ class EngineReplica:
         self.node = node_name()
         self.gauges = ReplicaGauges()
         self.ttft_ms: float | None = None
+        self._ttft_at: float | None = None  # when ``ttft_ms`` was last measured (``_clock``)
         self.in_flight = 0
         # The chain ends of the generations running here (``/cluster`` shows where each
         # conversation's request runs now).
@@ -244,8 +251,9 @@ class EngineReplica:
                 n_tokens = done.stats.prompt_tokens + done.stats.completion_tokens
                 self.events.served(call.chain, done.stats.key, n_tokens)
                 ttft = done.stats.ttft_ms
-                prev = self.ttft_ms
+                prev = self.recent_ttft_ms()
                 self.ttft_ms = ttft if prev is None else prev + _TTFT_WEIGHT * (ttft - prev)
+                self._ttft_at = _clock()
             yield Finished(done)
         finally:
             self.in_flight -= 1
@@ -304,13 +312,19 @@ class EngineReplica:
             "running": sorted(self.running),
             "queued": sum(s.queued for s in statuses),
             "free_slots": sum(s.free_slots for s in statuses),
-            "ttft_ms": self.ttft_ms,
+            "ttft_ms": self.recent_ttft_ms(),
             "models": sorted(self.models),
             "cache": self._cache_sizes(),
             "durable": self.durable.stats(),
             # Each model's cache namespace: the router keys a prompt's chunks in it.
             "namespaces": {mid: encode_namespace(m.namespace()) for mid, m in self.models.items()},
         }
+
+    def recent_ttft_ms(self) -> float | None:
+        """The average time to first token, if measured within ``TTFT_FRESH_S``; else None."""
+        if self._ttft_at is None or _clock() - self._ttft_at > TTFT_FRESH_S:
+            return None
+        return self.ttft_ms
 
     def _cache_sizes(self) -> dict[str, dict[str, float]]:
         """Per tier: rows, chunks, bytes and quota, as this replica's cache counts them."""

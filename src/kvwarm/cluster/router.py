@@ -17,7 +17,9 @@ that replica's snapshot on a thread of its own, one at a time per replica, throu
 to its deployment; until it arrives the index keeps what it had. Dead replicas leave the
 candidates through Ray (health checks, ``ActorDiedError`` on a probe) and leave the table
 and the index here; a call for one that is gone (a fan-out that read the running replicas
-just before it died) goes to another, which refuses it at once.
+just before it died) goes to another, which refuses it at once. A fault in gathering or
+ranking (a policy's bug) never leaves a request unrouted: it is logged and Ray picks among all
+the candidates.
 """
 
 from __future__ import annotations
@@ -230,6 +232,18 @@ class AffinityRouter(RequestRouter):
                 # A retry after its replica was lost: anywhere else (Ray may not know yet).
                 others = [r for r in candidate_replicas if _rid(r) not in target.avoid]
                 candidate_replicas = others or candidate_replicas
+        try:
+            return self._rank(candidate_replicas, pending_request)
+        except Exception:
+            # Raised out of here, Ray logs it, ends the routing task and never routes the
+            # request: it waits until its deadline. Any replica serves it, only less warm.
+            log.exception("routing failed: the request goes to the least loaded replica")
+            return [list(candidate_replicas)]
+
+    def _rank(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """The policy's groups for the request (``choose_replicas``, past pinned calls)."""
         request = route_request(pending_request)
         for replica in candidate_replicas:
             self._ingest(replica)

@@ -173,6 +173,16 @@ class _ChunkWalk:
                 return pos
 
 
+def _chunk_walk(namespace: Namespace, tokens: Sequence[int]) -> _ChunkWalk | None:
+    """The walk of ``tokens``, or None when an id is outside 0..2^32-1: a text prompt's ids
+    come as the client sent them (the replica refuses one its vocabulary lacks), and no
+    store holds a chunk of them."""
+    try:
+        return _ChunkWalk(namespace, tokens)
+    except ValueError:
+        return None
+
+
 @dataclass(slots=True)
 class _Served:
     """A conversation a replica's slot held (its ``Live``): the key of its finish row (None:
@@ -466,9 +476,9 @@ class ClusterIndex:
                 for replica in running:
                     give(replica, source, n)
 
+        walk = _chunk_walk(namespace, tokens) if tokens and namespace is not None else None
         with self._lock:
-            if tokens and namespace is not None and self._steps:
-                walk = _ChunkWalk(namespace, tokens)
+            if walk is not None and self._steps:
                 for store, steps in self._steps.items():
                     n = walk.served(steps, self._chunks.get(store, {}))
                     if n:
