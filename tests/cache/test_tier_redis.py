@@ -167,6 +167,11 @@ def test_packs_is_a_switch_of_s3_and_redis_urls(option: str, packs: bool) -> Non
         "redis://127.0.0.1:6379/0?password=s3cret&timeout_s=soon",
         "redis://127.0.0.1/0?db=zero&password=s3cret",
         "redis://:s3cret@127.0.0.1:6379/0?packs=sometimes",  # our switch's bad value
+        # An s3 tier's credentials come from boto3's own sources, never its URL; one put
+        # there anyway is not shown (found by review: the s3 tier's errors showed it).
+        "s3://rows/team/?secret_access_key=s3cret",  # not an option of ours
+        "s3://AKIAEXAMPLE:s3cret@rows/team/",  # no bucket of that name
+        "s3://rows/team/?max_attempts=many&aws_session_token=s3cret",
     ],
 )
 def test_a_bad_tier_url_is_a_config_error_that_does_not_show_its_password(url: str) -> None:

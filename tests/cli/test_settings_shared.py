@@ -93,6 +93,18 @@ def test_bad_url_tiers_are_config_errors(tmp_path: Path, extra: dict[str, str], 
         load_settings({}, _env(tmp_path, **extra))
 
 
+@pytest.mark.parametrize(
+    "spec", ["redis://:s3cret@h:1/0", "redis://h:1/0?password=s3cret", "=redis://u:s3cret@h:1/0"]
+)
+def test_a_tier_without_its_name_is_refused_without_showing_its_password(
+    tmp_path: Path, spec: str
+) -> None:
+    """Found by review: the NAME=URL error showed the URL whole, its password too."""
+    with pytest.raises(ConfigError, match="NAME=URL") as caught:
+        load_settings({}, _env(tmp_path, KVWARM_TIERS=spec))
+    assert "s3cret" not in str(caught.value) and "***" in str(caught.value)
+
+
 def test_a_bad_tier_quota_names_the_setting_and_where_it_came_from(tmp_path: Path) -> None:
     """Found by review: ``tier x: quota: expected a size ...`` named neither the setting nor
     its source, unlike every other broken rule (``(tiers from KVWARM_TIERS)``)."""

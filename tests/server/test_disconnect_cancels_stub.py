@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvwarm.backends.stub import StubBackend
 from kvwarm.backends.stub.vocab import OFFSET
@@ -174,7 +175,10 @@ def test_a_disconnect_mid_prefill_cancels_the_generation(
 ) -> None:
     """A client that leaves while its prompt is prefilled (streamed, before any header was
     sent, or not) ends its generation there: the pass under way finishes, no other runs for
-    it, and its slot and its model's lease are free."""
+    it, and its slot and its model's lease are free. ``/metrics`` counts it once, as a
+    client's disconnect, a cancelled generation and an HTTP 499 (found by review: a chat, a
+    message, a response and a stream cut before its headers counted a 200, the whole answer
+    the route then sent to nobody, where a completion counted a 499)."""
     server, backend = live
     assert backend.gate is not None
     state = server.server.config.app.state.kvwarm
@@ -189,6 +193,25 @@ def test_a_disconnect_mid_prefill_cancels_the_generation(
     with httpx.Client(base_url=server.base_url, timeout=60) as http:  # the slot is free
         probe = {"model": "embedder", "prompt": "x", "max_tokens": 2}
         assert http.post("/v1/completions", json=probe).status_code == 200
+        counted = _counters(http.get("/metrics").text)
+    assert counted["kvwarm_client_disconnects_total", ()] == 1
+    labels = (("model", "embedder"), ("reason", "cancelled"))
+    assert counted["kvwarm_generations_total", labels] == 1
+    statuses = {
+        dict(labels)["status"]: n
+        for (name, labels), n in counted.items()
+        if name == "kvwarm_http_requests_total" and dict(labels)["route"] == path
+    }
+    probed = {"200": 1} if path == "/v1/completions" else {}  # the probe above
+    assert statuses == {"499": 1, **probed}
+
+
+def _counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _until(ready: Callable[[], bool], deadline_s: float = 30.0) -> None:

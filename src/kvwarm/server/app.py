@@ -56,6 +56,9 @@ from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.server")
 
+#: The status ``/metrics`` counts for a request whose client left before its answer began.
+CLIENT_CLOSED = 499
+
 
 def _anthropic(scope: Scope) -> bool:
     """Whether a request's errors are in Anthropic's shape (``errors.speaks_anthropic``)."""
@@ -98,6 +101,12 @@ class _Observe:
             return
         status = 500
         started = False
+        # The client went away before its answer began: counted as 499 (nginx's "client
+        # closed request", the API's ``client_closed_request``) whatever the route then sent
+        # to nobody. Found by review: a non-streamed chat, message or response whose client
+        # left counted a 200 (a whole answer, finish ``cancelled``, never read), a completion
+        # a 499, and a stream cut before its headers a 200.
+        left = False
         head = scope["method"] == "HEAD"
         if head:
             # HEAD wherever GET answers, as RFC 9110 requires: the GET's status and headers,
@@ -105,6 +114,13 @@ class _Observe:
             # /docs, /v1/models and /metrics answered curl -I and uptime checks with a 405.
             # The guard above saw the HEAD; the server's own scope still says HEAD.
             scope = {**scope, "method": "GET"}
+
+        async def observed_receive() -> Message:
+            nonlocal left
+            message = await receive()
+            if message["type"] == "http.disconnect" and not started:
+                left = True
+            return message
 
         async def observed_send(message: Message) -> None:
             nonlocal status, started
@@ -117,7 +133,7 @@ class _Observe:
         try:
             # Leases on models taken by the route are held until the response is fully sent.
             with request_leases():
-                await self.app(scope, receive, observed_send)
+                await self.app(scope, observed_receive, observed_send)
         except asyncio.CancelledError:
             # The server's shutdown gave up waiting for this request (found by review: it got
             # uvicorn's plain-text 500): a 503 in the API's own shape, then the cancellation.
@@ -136,7 +152,9 @@ class _Observe:
             raise
         finally:
             route = scope.get("route")
-            self.state.counters.record(getattr(route, "path", "unmatched"), status)
+            self.state.counters.record(
+                getattr(route, "path", "unmatched"), CLIENT_CLOSED if left else status
+            )
 
 
 #: The API's routers, in the order their routes are matched (the web page's comes last).

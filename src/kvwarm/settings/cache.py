@@ -73,13 +73,17 @@ def cache_config(s: Settings) -> CacheConfig:
 def url_tier(spec: str) -> TierConfig:
     """``NAME=URL`` (the quota as the URL's ``quota=SIZE``, 1G if absent) as a
     ``TierConfig``; ``ConfigError`` if it is not that shape."""
+    from kvwarm.cache.tiers.registry import shown_url
     from kvwarm.settings.types import as_size
 
     name, sep, url = spec.partition("=")
     name, url = name.strip(), url.strip()
     if not sep or not name or "://" not in url:
+        # Its password masked (found by review: a URL given without its NAME= was shown
+        # whole, password and all).
+        shown = f"{name}={shown_url(url)}" if "://" in url else shown_url(spec.strip())
         raise ConfigError(
-            f"tiers: a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {spec!r}"
+            f"tiers: a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {shown!r}"
         )
     parts = urlsplit(url)
     query = parse_qsl(parts.query)

@@ -24,7 +24,7 @@ from kvwarm.cache.tiers.objects import (
     ObjectTier,
     remote_capabilities,
 )
-from kvwarm.cache.tiers.registry import url_switch
+from kvwarm.cache.tiers.registry import shown_url, url_switch
 from kvwarm.cache.tiers.s3client import (
     LeanGets,
     PublishRaceLost,
@@ -253,15 +253,26 @@ def _total_size(resp: Mapping[str, object], got: int) -> int:
 
 def s3_config_from_url(url: str) -> S3Config:
     """``s3://bucket/prefix/?endpoint=http://minio:9000&region=...&connect_timeout_s=...
-    &read_timeout_s=...&max_attempts=...&down_for_s=...`` as an ``S3Config``."""
+    &read_timeout_s=...&max_attempts=...&down_for_s=...`` as an ``S3Config``. Its messages
+    show the URL as ``shown_url`` does: found by review, a credential put in it (an option
+    such as ``secret_access_key``, which is none of ours, or a ``key:secret@`` user part)
+    was shown whole in the error that refused it."""
+    shown = shown_url(url)
     parts = urlsplit(url)
     if parts.scheme != "s3" or not parts.netloc:
-        raise ConfigError(f"an s3 tier URL is s3://bucket/prefix/, got {url!r}")
+        raise ConfigError(f"an s3 tier URL is s3://bucket/prefix/, got {shown!r}")
+    if "@" in parts.netloc:
+        # Taken for the bucket's name, the user part went into every log line naming the
+        # tier (found by review: a scan's warning showed the secret).
+        raise ConfigError(
+            f"s3 tier URL {shown!r}: no credentials in the URL; boto3 reads them from its "
+            "own sources (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, a role)"
+        )
     query = dict(parse_qsl(parts.query))
     known = {"endpoint", "region", "connect_timeout_s", "read_timeout_s", "max_attempts", "packs"}
     unknown = set(query) - known - {"down_for_s"}
     if unknown:
-        raise ConfigError(f"s3 tier URL {url!r}: unknown options {', '.join(sorted(unknown))}")
+        raise ConfigError(f"s3 tier URL {shown!r}: unknown options {', '.join(sorted(unknown))}")
     prefix = parts.path.lstrip("/")
     try:
         cfg = S3Config(
@@ -273,12 +284,12 @@ def s3_config_from_url(url: str) -> S3Config:
             read_timeout_s=float(query.get("read_timeout_s", 10.0)),
             max_attempts=int(query.get("max_attempts", 2)),
             down_for_s=float(query.get("down_for_s", 5.0)),
-            packs=url_switch(query, "packs", f"s3 tier URL {url!r}", default=True),
+            packs=url_switch(query, "packs", f"s3 tier URL {shown!r}", default=True),
         )
     except ValueError as exc:
-        raise ConfigError(f"s3 tier URL {url!r}: {exc}") from None
+        raise ConfigError(f"s3 tier URL {shown!r}: {exc}") from None
     try:
         validate_s3_config(cfg)
     except ConfigError as exc:
-        raise ConfigError(f"s3 tier URL {url!r}: {exc}") from None
+        raise ConfigError(f"s3 tier URL {shown!r}: {exc}") from None
     return cfg
