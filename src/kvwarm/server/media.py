@@ -406,7 +406,7 @@ def _target(
     if literal_refused is not None:
         # The URL as the client sent it, quoted (%r): found by review, its CR and LF, which
         # urlsplit drops before it parses, started lines of the client's own in the log.
-        log.warning("refused to fetch an image from %r: %s", url, literal_refused)
+        log.warning("refused to fetch an image from %r: %s", _logged(url), literal_refused)
         raise _refused(where, f"this server does not fetch images from {host!r}: not public")
     found = _resolve_by(host, port, deadline)
     addresses = [address for _, address in found]
@@ -418,10 +418,23 @@ def _target(
             if refused is not None:
                 # Not told to the client: what a name resolves to is the server's network's.
                 log.warning(
-                    "refused to fetch an image from %r: %s resolves to %s", url, host, refused
+                    "refused to fetch an image from %r: %s resolves to %s",
+                    _logged(url),
+                    host,
+                    refused,
                 )
                 raise _FetchError(f"{host} resolves to a non-public address")
     return host, port, addresses
+
+
+def _logged(url: str) -> str:
+    """``url`` as the log shows it: its query and fragment as ``?…`` and its user part left
+    out (found by review: a presigned URL's signature, a credential for as long as it lasts,
+    went to the log whole when its fetch failed). The client gets its URL back as it sent it."""
+    split = urlsplit(url)
+    netloc = split.netloc.rpartition("@")[2]
+    hidden = "?…" if split.query or split.fragment else ""
+    return f"{split.scheme}://{netloc}{split.path}{hidden}"
 
 
 def _fetch(url: str, where: str, settings: Settings) -> bytes:
@@ -434,7 +447,7 @@ def _fetch(url: str, where: str, settings: Settings) -> bytes:
         host, port, addresses = _target(url, where, settings, deadline)
         data = _get(url, host, port, addresses, settings.media_max_bytes, deadline)
     except _FetchError as exc:
-        log.info("could not fetch the image at %r: %s", url, exc)
+        log.info("could not fetch the image at %r: %s", _logged(url), exc)
         raise MediaError(f"{where}: could not fetch the image at {url}", param=where) from None
     log.info("fetched an image of %d bytes from %s", len(data), host)
     return data
