@@ -128,7 +128,9 @@ def run_explain(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     body = _read_body(args.body) if args.body is not None else {}
-    if (args.prompt is None) == (not body):
+    # Whether --body was given, not whether its object is empty (found by review: ``{}``
+    # counted as no body).
+    if (args.prompt is None) == (args.body is None):
         raise ConfigError("give a prompt or --body FILE (one of them)")
     if not settings.models:
         raise ConfigError("no model to explain against: give --model")
