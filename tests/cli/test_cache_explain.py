@@ -177,6 +177,23 @@ def test_explain_without_a_prompt_is_a_usage_error(
     assert "give a prompt or --body" in capsys.readouterr().err
 
 
+def test_a_body_file_counts_as_given_whatever_it_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: a ``--body`` whose JSON object was empty counted as no body, so alone
+    it was told "give a prompt or --body FILE" (it had), and beside a prompt it was taken
+    (and ignored) though only one of them may be given."""
+    argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
+    argv += ["--cache-dir", str(tmp_path / "c")]
+    (tmp_path / "c").mkdir()
+    body = tmp_path / "body.json"
+    body.write_text("{}")
+    assert main([*argv, "--body", str(body)]) == 1
+    assert "the body needs 'messages' or a string 'prompt'" in capsys.readouterr().err
+    assert main([*argv, "--body", str(body), PROMPT]) == 2
+    assert "give a prompt or --body FILE (one of them)" in capsys.readouterr().err
+
+
 def test_explain_takes_the_servers_models_dir_and_aliases(
     cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

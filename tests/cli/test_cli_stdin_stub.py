@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,30 @@ def test_a_chat_message_that_starts_like_a_command_is_a_message(
     assert err.count("(system prompt set; conversation reset)") == 1, err
     cached = [int(n) for n in re.findall(r"cached (\d+)/", err)]
     assert cached[1] > 0, err  # turn 2 extended turn 1's conversation: nothing was reset
+
+
+def test_complete_and_chat_load_the_configured_model_model_id_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: given several models (a server's config file), ``complete`` and
+    ``chat`` loaded the first without a word, the others ignored, and no flag chose one
+    (``cache explain`` has ``--model-id``). Here model ``small``'s window is too short for
+    the prompt, model ``big``'s is not."""
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(
+        'backend = "stub"\ncache_dir = "none"\n'
+        '[[models]]\nid = "big"\npath = "stub-big"\nn_ctx = 1024\n'
+        '[[models]]\nid = "small"\npath = "stub-small"\nn_ctx = 32\n'
+    )
+    argv = ["--config", str(config), "--max-tokens", "1", "--temperature", "0"]
+    prompt = "a prompt longer than thirty-two tokens, one token a byte on the stub"
+    assert main(["complete", *argv, prompt]) == 0
+    assert main(["complete", *argv, "--model-id", "small", prompt]) == 1
+    assert "this model's context holds 32" in capsys.readouterr().err
+    assert main(["complete", *argv, "--model-id", "nope", prompt]) == 2
+    assert "--model-id nope: no such configured model (models: big, small)" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(prompt + "\n"))
+    assert main(["chat", *argv, "--model-id", "small"]) == 1  # the turn refused, reported
+    assert "not sent" in capsys.readouterr().err

@@ -5,15 +5,23 @@ a half-unloaded model."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from tests.engine.conftest import make_engine, stub_config
 
+from kvwarm.cache.types import CacheConfig
+from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import ConfigError, InvalidRequestError, UnknownModelError
+from kvwarm.errors import (
+    ConfigError,
+    EngineClosedError,
+    InvalidRequestError,
+    UnknownModelError,
+)
 
 SHORT = GenerationOptions(max_tokens=3, temperature=0.0, ignore_eos=True)
 HI = [{"role": "user", "content": "hi"}]
@@ -116,3 +124,48 @@ def test_token_ids_of_any_integer_type_are_taken_and_a_float_is_named() -> None:
             model.complete([1, 5.0], SHORT)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: EngineConfig(cache="ram"), "EngineConfig.cache must be a CacheConfig, not str"),
+        (lambda: EngineConfig(policy={"min_tokens": 4}), "policy must be a PolicyConfig, not dict"),
+        (lambda: EngineConfig(backend=5), "backend must be a string or Backend, got 5"),
+        (lambda: EngineConfig(backend="llama"), "unknown backend 'llama'"),
+        (lambda: EngineConfig(cache=CacheConfig(tiers=("ram",))), "a TierConfig, not str"),
+        (lambda: EngineConfig(cache=CacheConfig(tiers="ram")), "a tuple of TierConfig, not str"),
+        (lambda: EngineConfig(cache=CacheConfig(ttl_seconds=60)), "ttl_seconds needs three"),
+    ],
+)
+def test_an_engine_config_of_the_wrong_shape_is_a_config_error_at_construction(
+    build: Callable[[], EngineConfig], message: str
+) -> None:
+    """Found by the library and CLI review: ``Engine(EngineConfig(cache="ram"))`` and a
+    policy given as a dict were ``AttributeError`` from inside; a tier named by its string
+    alone, or ``ttl_seconds=60``, an ``AttributeError`` or ``TypeError`` from the cache's
+    checks; and ``backend=5`` or a misspelled backend was taken, each later load failing
+    (``backend=5`` with an ``AttributeError``)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Engine(build())
+
+
+def test_an_engine_given_a_cache_that_is_not_one_is_a_config_error() -> None:
+    """``Engine(cache=...)`` took anything, and the first load failed with an
+    ``AttributeError`` ('int' object has no attribute 'tier_names')."""
+    with pytest.raises(ConfigError, match="cache must be a Cache, not CacheConfig"):
+        Engine(cache=CacheConfig())  # type: ignore[arg-type]
+
+
+def test_a_closed_engine_s_lookups_are_engine_closed() -> None:
+    """docs/python.md: a closed engine raises ``EngineClosedError``. ``get_model`` and
+    ``unload_model`` of a model it had loaded said ``no loaded model with id 'stub'``
+    (``UnknownModelError``, a 404 model_not_found to a server), as of a typo."""
+    eng = make_engine()
+    eng.load_model(config=stub_config())
+    eng.close()
+    with pytest.raises(EngineClosedError, match="engine is closed"):
+        eng.get_model("stub")
+    with pytest.raises(EngineClosedError, match="engine is closed"):
+        eng.unload_model("stub")
+    assert eng.list_models() == []  # an inspection: what is loaded, nothing

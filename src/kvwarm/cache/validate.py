@@ -157,6 +157,27 @@ def _check_counter_names(name: str, others: Collection[str]) -> None:
 
 def validate_cache_config(cfg: CacheConfig) -> None:
     """``ConfigError`` for any inconsistency in a ``CacheConfig``; called by ``Cache``."""
+    # Found by review: a tier given by its name alone (``tiers=("ram",)``) was an
+    # AttributeError from below, ``tiers="ram"`` one for each letter, ``ttl_seconds=60`` a
+    # TypeError from len().
+    if not isinstance(cfg.tiers, tuple | list):
+        raise ConfigError(
+            f"cache.tiers must be a tuple of TierConfig, not {type(cfg.tiers).__name__}"
+        )
+    for tier in cfg.tiers:
+        if not isinstance(tier, TierConfig):
+            raise ConfigError(
+                f"each of cache.tiers must be a TierConfig, not {type(tier).__name__} "
+                f"({tier!r}: TierConfig({tier!r}, quota_bytes) names a tier)"
+            )
+    if not isinstance(cfg.ttl_seconds, tuple | list):
+        raise ConfigError(
+            f"cache.ttl_seconds needs three values: short, long, extended; got {cfg.ttl_seconds!r}"
+        )
+    if not isinstance(cfg.pressure, PressureConfig):
+        raise ConfigError(
+            f"cache.pressure must be a PressureConfig, not {type(cfg.pressure).__name__}"
+        )
     if not cfg.tiers:
         raise ConfigError("cache needs at least one tier")
     seen: set[str] = set()

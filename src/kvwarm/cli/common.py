@@ -132,16 +132,39 @@ def open_engine(settings: Settings) -> Engine:
     return Engine(EngineConfig(cache=settings.cache_config(), backend=settings.backend))
 
 
+def add_model_id(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--model-id``: which of several configured models (a server's config file) a
+    one-shot command uses."""
+    parser.add_argument(
+        "--model-id",
+        metavar="ID",
+        default=None,
+        help=f"which configured model {what} (its id; default: the first, the server's default)",
+    )
+
+
+def chosen_model(specs: Sequence[ModelSpec], model_id: str | None) -> ModelSpec:
+    """The configured model ``--model-id`` names (None: the first, the server's default)."""
+    if model_id is None:
+        return specs[0]
+    for spec in specs:
+        if spec.model_id == model_id:
+            return spec
+    known = ", ".join(spec.model_id for spec in specs)
+    raise ConfigError(f"--model-id {model_id}: no such configured model (models: {known})")
+
+
 @contextmanager
-def loaded_model(settings: Settings) -> Iterator[Model]:
-    """The first configured model, loaded with a progress bar; the engine is closed (and the
-    cache flushed, so the next run finds this run's rows) on the way out."""
+def loaded_model(settings: Settings, model_id: str | None = None) -> Iterator[Model]:
+    """The configured model ``model_id`` names (None: the first), loaded with a progress bar;
+    the engine is closed (and the cache flushed, so the next run finds this run's rows) on
+    the way out."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if not settings.models:
         raise ConfigError("no model to load: give --model (a models_dir is only for serve)")
-    spec = settings.models[0]
+    spec = chosen_model(settings.models, model_id)
     decide_kernels(settings, [spec])
     engine = open_engine(settings)
     try:

@@ -35,13 +35,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvwarm.cli.common import MODEL_SETTINGS, add_settings, decide_kernels, settings_from
+from kvwarm.cli.common import (
+    MODEL_SETTINGS,
+    add_settings,
+    chosen_model,
+    decide_kernels,
+    settings_from,
+)
 from kvwarm.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.backends.base import BackendModel
     from kvwarm.server.tools import ChatPlan
-    from kvwarm.settings import ModelSpec
 
 
 def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -128,11 +133,13 @@ def run_explain(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     body = _read_body(args.body) if args.body is not None else {}
-    if (args.prompt is None) == (not body):
+    # Whether --body was given, not whether its object is empty (found by review: ``{}``
+    # counted as no body).
+    if (args.prompt is None) == (args.body is None):
         raise ConfigError("give a prompt or --body FILE (one of them)")
     if not settings.models:
         raise ConfigError("no model to explain against: give --model")
-    spec = _chosen(settings.models, args.model_id)
+    spec = chosen_model(settings.models, args.model_id)
     cfg = model_config(settings, spec)
     chosen = cfg.backend or settings.backend
     backend = get_backend(chosen) if isinstance(chosen, str) else chosen
@@ -198,17 +205,6 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"prompt: {len(tokens)} tokens; {n_rows} rows in its namespace ({spaces_text})")
     print(describe(report))
     return 0
-
-
-def _chosen(specs: Sequence[ModelSpec], model_id: str | None) -> ModelSpec:
-    """The configured model ``--model-id`` names (None: the first, the server's default)."""
-    if model_id is None:
-        return specs[0]
-    for spec in specs:
-        if spec.model_id == model_id:
-            return spec
-    known = ", ".join(spec.model_id for spec in specs)
-    raise ConfigError(f"--model-id {model_id}: no such configured model (models: {known})")
 
 
 def _tenant(args: argparse.Namespace) -> str | None:

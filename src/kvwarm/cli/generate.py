@@ -13,7 +13,13 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from kvwarm.cli.common import MODEL_SETTINGS, add_settings, loaded_model, settings_from
+from kvwarm.cli.common import (
+    MODEL_SETTINGS,
+    add_model_id,
+    add_settings,
+    loaded_model,
+    settings_from,
+)
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import ConfigError, InvalidRequestError
 
@@ -44,6 +50,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     complete.add_argument("prompt", nargs="?", default="-", help="the prompt ('-': stdin)")
     _add_sampling(complete, 64)
+    add_model_id(complete, "to complete with")
     add_settings(complete, MODEL_SETTINGS)
     complete.set_defaults(run=run_complete)
 
@@ -55,6 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     chat.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
     _add_sampling(chat, 256)
+    add_model_id(chat, "to chat with")
     add_settings(chat, MODEL_SETTINGS)
     chat.set_defaults(run=run_chat)
 
@@ -117,7 +125,7 @@ def run_complete(args: argparse.Namespace) -> int:
     if args.prompt == "-":
         _lenient_stdin()
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    with loaded_model(settings) as model:
+    with loaded_model(settings, args.model_id) as model:
         stream = model.stream(prompt, opts)
         try:
             _stream_to(sys.stdout, stream)
@@ -138,7 +146,7 @@ def run_chat(args: argparse.Namespace) -> int:
     system: str | None = args.system
     history: list[dict[str, object]] = []
     refused = 0  # turns the model refused (each reported, dropped from the conversation)
-    with loaded_model(settings) as model:
+    with loaded_model(settings, args.model_id) as model:
         if interactive:
             print(f"chatting with {model.id}; /reset, /system TEXT, /exit", file=sys.stderr)
         turn = 0

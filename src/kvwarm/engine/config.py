@@ -180,8 +180,33 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
-    backend: str = "llama_cpp"
+    # The backend of a model whose ``ModelConfig.backend`` is None: a name, or an instance.
+    backend: str | Backend = "llama_cpp"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def validate(self) -> None:
+        """``ConfigError`` for a field of the wrong kind, before the cache is built. Found by
+        review: a ``cache`` or ``policy`` of another type was an ``AttributeError`` from
+        inside, and a backend that is no backend (``5``, ``"llama"``) was taken, every load
+        then failing. The cache's own fields are the cache's check (``Cache``)."""
+        for name, kind in (("cache", CacheConfig), ("policy", PolicyConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ConfigError(
+                    f"EngineConfig.{name} must be a {kind.__name__}, not {type(value).__name__}"
+                )
+        if isinstance(self.backend, str):
+            from kvwarm.backends import BACKEND_NAMES
+
+            if self.backend not in BACKEND_NAMES:
+                raise ConfigError(
+                    f"unknown backend {self.backend!r}; expected one of {', '.join(BACKEND_NAMES)}"
+                )
+        elif not isinstance(self.backend, Backend):
+            raise ConfigError(
+                f"EngineConfig.backend must be a string or Backend, got {self.backend!r}"
+            )
+        validate_policy(self.policy)
 
 
 class ModelOptions(TypedDict, total=False):

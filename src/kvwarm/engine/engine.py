@@ -20,7 +20,6 @@ from typing import Unpack
 from kvwarm.backends import get_backend
 from kvwarm.cache import Cache
 from kvwarm.cache.types import TierName
-from kvwarm.cache.validate import validate_policy
 from kvwarm.embedded import model_id_for
 from kvwarm.engine.cancel import check_wait
 from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions, with_options
@@ -45,7 +44,10 @@ class Engine:
         if config is not None and not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, not {type(config).__name__}")
         self.config = config or EngineConfig()
-        validate_policy(self.config.policy)
+        self.config.validate()
+        if cache is not None and not isinstance(cache, Cache):
+            # Found by review: taken, and the first load failed with an AttributeError.
+            raise ConfigError(f"cache must be a Cache, not {type(cache).__name__}")
         self._owns_cache = cache is None
         self.cache = cache if cache is not None else Cache(self.config.cache)
         self._models: dict[str, Model] = {}
@@ -141,6 +143,10 @@ class Engine:
     def get_model(self, model_id: str) -> Model:
         if not isinstance(model_id, str):  # a list was a TypeError (unhashable)
             raise UnknownModelError(f"no loaded model with id {model_id!r}: an id is a string")
+        if self._closed:
+            # Not "no loaded model with id ..." (found by review): the model was loaded, and
+            # the engine is what is gone, as for every other call of a closed engine.
+            raise EngineClosedError("engine is closed")
         model = self._models.get(model_id)
         if model is None or model is _LOADING:
             raise UnknownModelError(f"no loaded model with id {model_id!r}")
