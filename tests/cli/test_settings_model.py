@@ -367,3 +367,17 @@ def test_a_model_name_that_is_not_utf8_is_refused_at_start() -> None:
     with pytest.raises(ConfigError, match=r"alias 'a\\udce9' is not UTF-8 text"):
         load_settings({"models": ["m=stub-m"], "aliases": [f"a{bad[-1]}=m"]}, env)
     assert load_settings({"models": [f"m={bad}"]}, env).models[0].path == bad
+
+
+def test_a_models_table_with_an_id_and_no_path_is_said_to_serve_the_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a ``[[models]]`` table whose path was forgotten served the default
+    model under the id it gave, without a word; ``path = "default"`` says it is meant."""
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nid = "qwen"\n[[models]]\nid = "smol"\npath = "default"\n')
+    with caplog.at_level("WARNING", logger="kvwarm.settings.types"):
+        settings = load_settings({"config": str(config)}, ENV)
+    assert [(s.id, s.path) for s in settings.models] == [("qwen", None), ("smol", None)]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "models[1] (id 'qwen') names no path" in warned[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import math
 import os
 import re
@@ -40,6 +41,8 @@ from kvwarm.cache.types import PolicyConfig, TierName
 from kvwarm.embedded import model_id_for
 from kvwarm.engine.types import SPEC_TYPES, SpecType
 from kvwarm.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -293,6 +296,15 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
             if path is not None and path.strip() == "default":
                 # The embedded model, as in ``[ID=]PATH`` (found by review: a file named so).
                 path = None
+            elif path is None and model_id is not None:
+                # Found by review: a table whose path was forgotten served the default model
+                # under the id it gave, without a word.
+                log.warning(
+                    "models[%d] (id %r) names no path: it serves the default model "
+                    '($KVWARM_MODEL or the embedded one); write path = "default" to say so',
+                    number,
+                    model_id,
+                )
             extra = {str(k): v for k, v in item.items() if k not in _MODEL_KEYS}
             specs.append(
                 ModelSpec(
