@@ -421,3 +421,19 @@ def test_a_store_refusing_a_copy_onto_itself_still_takes_saves_reusing_chunks(
         assert key is not None
         with cache.open_row(key) as row:
             assert join(row.chunks) == blob(second)
+
+
+def test_a_put_sends_its_body_at_once_without_asking_to_continue(
+    moto_server: MotoServer,
+) -> None:
+    """A PUT's body is a file (``PacedBody``, held to the speed floor), for which botocore
+    asks for "100-continue": a round trip before every body, and a second's wait on a store
+    that never answers it. The tier's client sends it at once, as a bytes body was."""
+    tier = _tier(moto_server, moto_server.new_bucket())
+    sent: list[dict[str, str]] = []
+    tier.wire.client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers))
+    )
+    key, req = request(tuple(range(40)))
+    assert tier.store(key, req, FakeBook()) is not None and sent
+    assert all("Expect" not in headers for headers in sent), sent

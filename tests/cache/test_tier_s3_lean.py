@@ -18,6 +18,7 @@ import pytest
 from botocore.credentials import RefreshableCredentials
 from tests.s3kit import MotoServer
 
+from kvwarm.cache.tiers.objects import Pace
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.tiers.s3client import LeanGets
 from kvwarm.cache.types import S3Config
@@ -309,7 +310,7 @@ def test_a_client_lean_gets_cannot_follow_stays_whole(scripted: _Scripted) -> No
     lean = LeanGets.of(unsigned)
     assert lean is not None
     for _ in range(2):
-        got = lean.get_object(unsigned, "b", "k", None)  # type: ignore[arg-type]
+        got = lean.get_object(unsigned, "b", "k", None, Pace(0, 1.0))  # type: ignore[arg-type]
         assert got["Body"].read() == b"payload"  # type: ignore[attr-defined]
         assert not lean.routed("b")
     assert all("Authorization" not in headers for _, headers in scripted.seen)

@@ -108,6 +108,13 @@ class PolicyConfig:
     evict_save_timeout_ms: int = 30_000
 
 
+#: The slowest a remote tier's transfer may go, bytes a second averaged over its read timeout
+#: (``objects.Pace``): 1 MiB/s restores 45 tokens a second of the embedded model's f16 cells
+#: and 8 of an 8B model's, slower than any of them prefills, so a restore that slow is not
+#: worth waiting for (docs/configuration.md).
+DEFAULT_MIN_BYTES_PER_S = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class S3Config:
     """Where and how the ``s3`` tier talks to an S3-compatible store (AWS, MinIO, Ceph).
@@ -123,6 +130,9 @@ class S3Config:
     # After a network fault the tier answers "miss" without calling the store for this long,
     # so a dead store costs one timeout per interval, not one per lookup.
     down_for_s: float = 5.0
+    # A GET or PUT moving fewer bytes a second than this over a read_timeout_s is abandoned
+    # as a network fault (botocore's timeouts bound each socket read, not a body). 0: none.
+    min_bytes_per_s: int = DEFAULT_MIN_BYTES_PER_S
     # A save's new chunks go into one pack object (``TierCapabilities.pack_writes``). False:
     # each chunk is its own object, as a kvwarm from before packs writes and reads (a rolling
     # upgrade); packs others wrote are read either way.

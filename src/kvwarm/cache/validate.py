@@ -70,13 +70,15 @@ def validate_policy(policy: PolicyConfig) -> None:
 
 def validate_s3_config(cfg: S3Config, obj: str = "s3") -> None:
     """``ConfigError`` for a timeout that is not a finite number > 0 (botocore refuses <= 0
-    only once it connects; nan it takes, and waits for ever), too few attempts, or an outage
-    pause that is not finite and >= 0 (``inf``: the store skipped for good after one fault)."""
+    only once it connects; nan it takes, and waits for ever), too few attempts, an outage
+    pause that is not finite and >= 0 (``inf``: the store skipped for good after one fault),
+    or a speed floor that is not a whole number >= 0."""
     for name in ("connect_timeout_s", "read_timeout_s"):
         if _need_number(obj, name, getattr(cfg, name), minimum=0.0) <= 0:
             raise ConfigError(f"{obj}.{name} must be > 0, got {getattr(cfg, name)}")
     _need_int(obj, "max_attempts", cfg.max_attempts, minimum=1)
     _need_number(obj, "down_for_s", cfg.down_for_s, minimum=0.0)
+    _need_int(obj, "min_bytes_per_s", cfg.min_bytes_per_s, minimum=0)
 
 
 def validate_tier_config(tier: TierConfig) -> None:

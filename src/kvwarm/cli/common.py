@@ -46,6 +46,7 @@ _TIER_SETTINGS: tuple[str, ...] = (
     "s3_connect_timeout_s",
     "s3_read_timeout_s",
     "s3_max_attempts",
+    "s3_min_bytes_per_s",
     "s3_packs",
     "tiers",
 )

@@ -199,6 +199,11 @@ class Settings(ModelSettings, ServingSettings):
     s3_max_attempts: Int = Field(
         default=2, description="s3 attempts per request, the first included"
     )
+    s3_min_bytes_per_s: Size = Field(
+        default=1 << 20,
+        description="slowest s3 transfer kept, bytes a second: a GET or PUT moving less over "
+        "s3_read_timeout_s is abandoned as a network fault (0: no floor)",
+    )
     s3_packs: Bool = Field(
         default=True,
         description="a save's new chunks in one pack object; off: one object each, which a "
@@ -734,6 +739,7 @@ _NEEDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
         (
             "s3_prefix", "s3_endpoint_url", "s3_region", "s3_quota_bytes",
             "s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts", "s3_packs",
+            "s3_min_bytes_per_s",
         ),
         "s3_bucket",
         "the s3 tier is off (no s3_bucket)",

@@ -45,6 +45,7 @@ def s3_config(s: Settings) -> S3Config | None:
         connect_timeout_s=s.s3_connect_timeout_s,
         read_timeout_s=s.s3_read_timeout_s,
         max_attempts=s.s3_max_attempts,
+        min_bytes_per_s=s.s3_min_bytes_per_s,
         packs=s.s3_packs,
     )
 

@@ -181,6 +181,56 @@ class Breaker:
             log.warning("%s; skipping the store for %.1fs", err, self._down_for_s)
 
 
+class TransferTooSlowError(CacheNetworkError):
+    """A remote transfer under its store's speed floor (``Pace``): abandoned as a network
+    fault, as a timeout is."""
+
+
+class Pace:
+    """The slowest a remote transfer may go, as curl's ``--speed-limit``/``--speed-time``: one
+    that moves fewer than ``min_bytes_per_s`` bytes a second, averaged over a window of
+    ``window_s`` (the store's read timeout), is abandoned (``TransferTooSlowError``). Found by
+    review: botocore, urllib3 and redis-py bound each socket read or send by their timeout,
+    not a whole body, so a store sending a few bytes now and then held a GET for as long as
+    the body lasted (a restore on the engine's thread: the whole model worker), and one
+    taking a PUT's bytes slowly held its thread and payload as long. A rate, not a deadline:
+    a multi-GB pack read at a good rate takes as long as it takes. The floor is checked as
+    bytes arrive (or are handed to the socket), so a transfer is abandoned at most one read
+    timeout after its window ends. Once abandoned it stays so: a retry reading the same body
+    again fails at once. One per transfer (or connection); not thread-safe. 0: no floor."""
+
+    def __init__(self, min_bytes_per_s: int, window_s: float) -> None:
+        self._floor = min_bytes_per_s
+        self._window_s = window_s
+        self._abandoned: str | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """A new exchange begins (a command sent, a body read again from its start)."""
+        self._since = time.monotonic()
+        self._moved = 0
+
+    def moved(self, n: int) -> None:
+        """``n`` more bytes came or went; ``TransferTooSlowError`` if the window ending now moved
+        too few."""
+        if self._abandoned is not None:
+            raise TransferTooSlowError(self._abandoned)
+        if self._floor <= 0:
+            return
+        self._moved += n
+        now = time.monotonic()
+        elapsed = now - self._since
+        if elapsed < self._window_s:
+            return
+        if self._moved < self._floor * elapsed:
+            self._abandoned = (
+                f"transfer abandoned: {self._moved} bytes in {elapsed:.1f}s, under the floor "
+                f"of {self._floor} bytes a second (min_bytes_per_s)"
+            )
+            raise TransferTooSlowError(self._abandoned)
+        self._since, self._moved = now, 0
+
+
 @dataclass(frozen=True, slots=True)
 class Got:
     """What ``ObjectStore.get`` read: ``data`` (the range asked for, or all of it), the

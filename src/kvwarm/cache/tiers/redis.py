@@ -2,7 +2,8 @@
 (``tiers/objects.py``), which owns the publish protocol, probes, scans and chunk rules. A
 shared, in-memory tier across hosts (what LMCache users know as its Redis backend).
 
-Configured by URL: ``redis://[user:password@]host:port/db?prefix=kvwarm/&timeout_s=2&down_for_s=5``.
+Configured by URL: ``redis://[user:password@]host:port/db?prefix=kvwarm/&timeout_s=2&down_for_s=5``
+(and ``min_bytes_per_s``, ``packs``).
 
 Invariants:
 - Object ``name`` is the string ``<prefix>o:<name>``; its metadata (creation time ``t``, hit
@@ -11,7 +12,10 @@ Invariants:
   hash left by an object redis evicted never ages the new one; ``touch`` restamps it.
 - Reads run as a script or a plain pipeline, never in ``MULTI``: over ``maxmemory`` redis
   refuses every command queued in a transaction, and a full redis must still serve reads.
-- Every call is bounded by the socket timeouts; a connection fault or timeout is
+- Every call is bounded by the socket timeouts, and a reply by the speed floor
+  (``min_bytes_per_s`` averaged over ``timeout_s``, ``objects.Pace``: redis-py's timeout bounds
+  each socket read, not a reply, and a reply a few bytes at a time held its caller as long as
+  it lasted); a connection fault, timeout or reply under the floor is
   ``CacheNetworkError`` and trips the remote stores' ``objects.Breaker`` (down for
   ``down_for_s``); any other refusal is ``CacheIOError``. Credentials the server refuses
   (``WRONGPASS``, ``NOAUTH``: redis-py's ``AuthenticationError``, a ``ConnectionError``) or a
@@ -29,8 +33,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from kvwarm.cache.tiers.objects import Breaker, Got
+from kvwarm.cache.tiers.objects import Breaker, Got, Pace
 from kvwarm.cache.tiers.registry import shown_url, url_switch
+from kvwarm.cache.types import DEFAULT_MIN_BYTES_PER_S
 from kvwarm.errors import (
     CacheFormatError,
     CacheIOError,
@@ -47,7 +52,7 @@ __all__ = ["RedisStore"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_OURS = ("prefix", "timeout_s", "down_for_s", "packs")
+_OURS = ("prefix", "timeout_s", "down_for_s", "packs", "min_bytes_per_s")
 # Set the hit fields only while the object exists (a deleted row must not grow a hash back).
 _SET_META = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -119,8 +124,11 @@ class RedisStore:
         try:
             timeout = float(ours.get("timeout_s", "2"))
             self._down_for_s = float(ours.get("down_for_s", "5"))
+            floor = int(ours.get("min_bytes_per_s", str(DEFAULT_MIN_BYTES_PER_S)))
         except ValueError as exc:
             raise ConfigError(f"redis tier URL {shown!r}: {exc}") from None
+        if floor < 0:
+            raise ConfigError(f"redis tier URL {shown!r}: min_bytes_per_s must be >= 0")
         # nan passes both comparisons (a socket refuses it on connect); inf down_for_s would
         # skip the store for good after one fault.
         finite = math.isfinite(timeout) and math.isfinite(self._down_for_s)
@@ -145,6 +153,8 @@ class RedisStore:
             )
         except ValueError:  # e.g. a bad db number; redis's message may quote the whole URL
             raise ConfigError(f"redis tier URL {shown!r}: the client refused it") from None
+        pool = self._client.connection_pool
+        pool.connection_class = _paced(pool.connection_class, floor, timeout)
         self._errors = redis_client.exceptions
         self._set_meta = self._client.register_script(_SET_META)
         self._put = self._client.register_script(_PUT)
@@ -190,6 +200,8 @@ class RedisStore:
         """``fn()``, redis-py's errors as ours."""
         try:
             return fn()
+        except CacheNetworkError as exc:  # a reply under the speed floor (``_PacedSocket``)
+            raise CacheNetworkError(f"{self.label}: {what}: {exc}") from exc
         except (
             # Before ConnectionError: redis-py makes a refused AUTH one of those.
             self._errors.AuthenticationError,
@@ -312,6 +324,48 @@ class RedisStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+class _PacedSocket:
+    """A redis connection's socket whose replies are held to the speed floor: the pace
+    restarts as each command is sent and counts a reply's bytes as they come. A reply under
+    the floor raises ``TransferTooSlowError`` out of the read, and redis-py disconnects the
+    connection (it does so for any error in a read), so no half-read reply is left on it.
+    Sends are not paced: Python bounds a ``sendall`` as a whole by the socket timeout, and
+    redis-py sends a value in one. Anything else is the socket's."""
+
+    def __init__(self, sock: Any, pace: Pace) -> None:
+        self._sock = sock
+        self._pace = pace
+
+    def sendall(self, data: Any, *args: Any) -> None:
+        self._sock.sendall(data, *args)
+        self._pace.restart()
+
+    def recv(self, size: int, *args: Any) -> bytes:
+        data: bytes = self._sock.recv(size, *args)
+        if data:
+            self._pace.moved(len(data))
+        return data
+
+    def recv_into(self, buffer: Any, *args: Any) -> int:
+        n: int = self._sock.recv_into(buffer, *args)
+        if n:
+            self._pace.moved(n)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _paced(base: type[Any], min_bytes_per_s: int, window_s: float) -> type[Any]:
+    """``base`` (the connection class redis-py chose for the URL: plain, TLS) with its
+    sockets paced (``_PacedSocket``), a fresh pace each connection."""
+
+    def _connect(self: Any) -> Any:
+        return _PacedSocket(base._connect(self), Pace(min_bytes_per_s, window_s))
+
+    return type(f"Paced{base.__name__}", (base,), {"_connect": _connect})
 
 
 def _decoded(meta: Mapping[bytes, bytes]) -> dict[str, str]:

@@ -27,6 +27,7 @@ from kvwarm.cache.tiers.objects import (
 from kvwarm.cache.tiers.registry import shown_url, url_switch
 from kvwarm.cache.tiers.s3client import (
     LeanGets,
+    PacedBody,
     PublishRaceLost,
     S3Client,
     S3Wire,
@@ -34,7 +35,7 @@ from kvwarm.cache.tiers.s3client import (
     make_client,
     read_body,
 )
-from kvwarm.cache.types import S3Config, TierName
+from kvwarm.cache.types import DEFAULT_MIN_BYTES_PER_S, S3Config, TierName
 from kvwarm.cache.validate import validate_s3_config
 from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
 
@@ -70,7 +71,10 @@ class S3Store:
             self.wire.call(
                 f"put {key}",
                 lambda: self.wire.client.put_object(
-                    Bucket=self._cfg.bucket, Key=key, Body=body, IfNoneMatch="*"
+                    Bucket=self._cfg.bucket,
+                    Key=key,
+                    Body=PacedBody(body, self.wire.pace()),
+                    IfNoneMatch="*",
                 ),
             )
         except PublishRaceLost:
@@ -84,7 +88,7 @@ class S3Store:
         def get() -> Got:
             resp = self.wire.get_object(self._cfg.bucket, key, byte_range)
             where = f"{self.label}: get {key}"
-            data = read_body(resp, where)
+            data = read_body(resp, where, self.wire.pace())
             meta = resp.get("Metadata") or {}
             assert isinstance(meta, Mapping)
             if end is None:
@@ -100,7 +104,7 @@ class S3Store:
         def get() -> bytes:
             resp = self.wire.get_object(self._cfg.bucket, key, f"bytes={start}-{end - 1}")
             where = f"{self.label}: get {key}"
-            return _in_range(resp, read_body(resp, where), start, end, where)
+            return _in_range(resp, read_body(resp, where, self.wire.pace()), start, end, where)
 
         return self.wire.call(f"get {key}", get)
 
@@ -205,7 +209,14 @@ class S3Tier(ObjectTier):
         # here GETs the lean way (s3client.LeanGets).
         raw = client if client is not None else make_client(config, max_connections)
         lean = LeanGets.of(raw) if client is None else None
-        wire = S3Wire(raw, label=label, down_for_s=config.down_for_s, lean=lean)
+        wire = S3Wire(
+            raw,
+            label=label,
+            down_for_s=config.down_for_s,
+            lean=lean,
+            min_bytes_per_s=config.min_bytes_per_s,
+            window_s=config.read_timeout_s,
+        )
         self._s3 = S3Store(config, wire)
         self._cfg = config
         super().__init__(
@@ -253,10 +264,10 @@ def _total_size(resp: Mapping[str, object], got: int) -> int:
 
 def s3_config_from_url(url: str) -> S3Config:
     """``s3://bucket/prefix/?endpoint=http://minio:9000&region=...&connect_timeout_s=...
-    &read_timeout_s=...&max_attempts=...&down_for_s=...`` as an ``S3Config``. Its messages
-    show the URL as ``shown_url`` does: found by review, a credential put in it (an option
-    such as ``secret_access_key``, which is none of ours, or a ``key:secret@`` user part)
-    was shown whole in the error that refused it."""
+    &read_timeout_s=...&max_attempts=...&down_for_s=...&min_bytes_per_s=...`` as an
+    ``S3Config``. Its messages show the URL as ``shown_url`` does: found by review, a
+    credential put in it (an option such as ``secret_access_key``, which is none of ours, or a
+    ``key:secret@`` user part) was shown whole in the error that refused it."""
     shown = shown_url(url)
     parts = urlsplit(url)
     if parts.scheme != "s3" or not parts.netloc:
@@ -269,7 +280,15 @@ def s3_config_from_url(url: str) -> S3Config:
             "own sources (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, a role)"
         )
     query = dict(parse_qsl(parts.query))
-    known = {"endpoint", "region", "connect_timeout_s", "read_timeout_s", "max_attempts", "packs"}
+    known = {
+        "endpoint",
+        "region",
+        "connect_timeout_s",
+        "read_timeout_s",
+        "max_attempts",
+        "packs",
+        "min_bytes_per_s",
+    }
     unknown = set(query) - known - {"down_for_s"}
     if unknown:
         raise ConfigError(f"s3 tier URL {shown!r}: unknown options {', '.join(sorted(unknown))}")
@@ -284,6 +303,7 @@ def s3_config_from_url(url: str) -> S3Config:
             read_timeout_s=float(query.get("read_timeout_s", 10.0)),
             max_attempts=int(query.get("max_attempts", 2)),
             down_for_s=float(query.get("down_for_s", 5.0)),
+            min_bytes_per_s=int(query.get("min_bytes_per_s", DEFAULT_MIN_BYTES_PER_S)),
             packs=url_switch(query, "packs", f"s3 tier URL {shown!r}", default=True),
         )
     except ValueError as exc:

@@ -16,11 +16,16 @@ Invariants:
   signer and sent through its own HTTP session, with botocore's standard retry policy, so a
   restore's dozen chunk GETs do not each pay botocore's whole request pipeline. What comes
   back is typed exactly as a ``get_object`` answer would be.
+- No transfer goes on under the store's speed floor (``S3Config.min_bytes_per_s``, averaged
+  over ``read_timeout_s``; ``objects.Pace``): a GET's body is read as it arrives and a PUT's
+  body is counted as the connection takes it, and one slower is abandoned as a network fault
+  (botocore's timeouts bound each socket read or send, not a body).
 - boto3 is imported only here and only when a tier is built (the ``kvwarm[s3]`` extra).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
-from kvwarm.cache.tiers.objects import Breaker
+from kvwarm.cache.tiers.objects import Breaker, Pace
 from kvwarm.cache.types import S3Config
 from kvwarm.errors import (
     CacheFormatError,
@@ -41,6 +46,7 @@ from kvwarm.errors import (
 
 __all__ = [
     "LeanGets",
+    "PacedBody",
     "PublishRaceLost",
     "S3Body",
     "S3Client",
@@ -132,10 +138,18 @@ def make_client(cfg: S3Config, max_connections: int) -> S3Client:
         response_checksum_validation="when_required",
     )
     session = boto3.session.Session()
-    client: S3Client = session.client(
-        "s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=config
-    )
+    raw = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=config)
+    # A PUT's body is a file (``PacedBody``), for which botocore asks for "100-continue": a
+    # round trip before every body, and a second's wait where a store never answers it. Sent
+    # at once, as a bytes body is. (On botocore's own event, after its handler: one on
+    # ``before-call.s3.PutObject`` would run before it.)
+    raw.meta.events.register_last("before-call.s3", _no_expect)
+    client: S3Client = raw
     return client
+
+
+def _no_expect(params: dict[str, Any], **_: object) -> None:
+    params.get("headers", {}).pop("Expect", None)
 
 
 class S3Wire:
@@ -148,20 +162,29 @@ class S3Wire:
         label: str,
         down_for_s: float,
         lean: LeanGets | None = None,
+        min_bytes_per_s: int = 0,
+        window_s: float = 1.0,
     ) -> None:
         self.client = client
         self.lean = lean
         self._label = label
         self._breaker = Breaker(label, down_for_s)
+        self._min_bytes_per_s = min_bytes_per_s
+        self._window_s = window_s
+
+    def pace(self) -> Pace:
+        """The speed floor of one transfer."""
+        return Pace(self._min_bytes_per_s, self._window_s)
 
     def is_down(self) -> bool:
         return self._breaker.is_down()
 
     def get_object(self, bucket: str, key: str, byte_range: str | None) -> Mapping[str, object]:
         """``get_object(Bucket=bucket, Key=key[, Range=byte_range])``, the lean way where
-        the wire has one (run it inside ``call``, like any client call)."""
+        the wire has one (run it inside ``call``, like any client call; ``read_body`` reads
+        what the client answers)."""
         if self.lean is not None:
-            return self.lean.get_object(self.client, bucket, key, byte_range)
+            return self.lean.get_object(self.client, bucket, key, byte_range, self.pace())
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if byte_range is not None:
             kwargs["Range"] = byte_range
@@ -189,6 +212,8 @@ class S3Wire:
         from botocore import exceptions as bexc
 
         where = f"{self._label}: {what}"
+        if isinstance(exc, CacheNetworkError):  # a transfer under the speed floor
+            return CacheNetworkError(f"{where}: {exc}")
         if isinstance(exc, bexc.ClientError):
             meta = exc.response.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode", 0) or 0)
@@ -231,6 +256,8 @@ class _Route:
 
 class _Body:
     """A body already read whole (what ``read_body`` takes)."""
+
+    read_whole = True
 
     def __init__(self, data: bytes) -> None:
         self._data = data
@@ -334,11 +361,11 @@ class LeanGets:
         return bucket in self._routes
 
     def get_object(
-        self, client: S3Client, bucket: str, key: str, byte_range: str | None
+        self, client: S3Client, bucket: str, key: str, byte_range: str | None, pace: Pace
     ) -> Mapping[str, object]:
         route = self._routes.get(bucket)
         if route is not None:
-            got = self._get(route, key, byte_range)
+            got = self._get(route, key, byte_range, pace)
             if got is not None:
                 return got
             self._routes.pop(bucket, None)  # redirected: the client finds the way again
@@ -385,9 +412,12 @@ class LeanGets:
             user_agent=request.headers.get("User-Agent"),
         )
 
-    def _get(self, route: _Route, key: str, byte_range: str | None) -> Mapping[str, object] | None:
+    def _get(
+        self, route: _Route, key: str, byte_range: str | None, pace: Pace
+    ) -> Mapping[str, object] | None:
         """One GET with retries: the answer, None to go through the client, or the
-        exception the client would raise."""
+        exception the client would raise (a body under the speed floor: ``TransferTooSlowError``,
+        not retried)."""
         from botocore.awsrequest import AWSRequest
         from botocore.exceptions import (
             ClientError,
@@ -420,14 +450,15 @@ class LeanGets:
             if response is not None:
                 status = response.status_code
                 if status in (200, 206):
-                    return _answer(response)
+                    return _answer(response, pace)
                 if status <= 400:
                     # A redirect, a 400 (a region mismatch answers one), or another answer
                     # botocore takes as success: the client's to follow or to hand on.
                     response.raw.close()
                     return None
                 try:  # an error's body is read before it is answered, as the client does
-                    body = _read(response)
+                    pace.restart()
+                    body = _read(response.raw, pace)
                 except ResponseStreamingError as exc:
                     response, caught = None, exc
                 else:
@@ -452,25 +483,38 @@ class LeanGets:
             attempt += 1
 
 
-def _read(response: Any) -> bytes:
-    """A lean GET's whole body in one read (the client's own session sent it unread). A
-    connection that fails mid-body raises as botocore's body reads do (not retried, as the
-    client does not retry a body it already handed out)."""
+# A body is read in pieces of at most this: each is what one socket read brings (read1).
+_PIECE = 1 << 20
+
+
+def _read(raw: Any, pace: Pace) -> bytes:
+    """A GET's whole body from its urllib3 response ``raw``, sent unread, as it arrives: each
+    read takes what one socket read brings (``read1``, bounded by the read timeout), and
+    ``pace`` abandons a body coming slower than the floor (``TransferTooSlowError``; found by
+    review: one ``read()`` of a body 100 bytes every 0.3 s took as long as the body
+    lasted). A connection that fails mid-body raises as botocore's body reads do (not
+    retried, as the client does not retry a body it already handed out)."""
     from botocore.exceptions import ResponseStreamingError
     from urllib3.exceptions import HTTPError
 
+    pieces = []
     try:
-        data: bytes = response.raw.read()  # read to its end, urllib3 pools the connection
+        while piece := raw.read1(_PIECE):  # to its end: urllib3 then pools the connection
+            pieces.append(piece)
+            pace.moved(len(piece))
     except (HTTPError, OSError) as exc:
-        response.raw.close()
+        raw.close()
         raise ResponseStreamingError(error=exc) from exc
-    return data
+    except BaseException:
+        raw.close()  # abandoned mid-body: the connection cannot serve another request
+        raise
+    return b"".join(pieces)
 
 
-def _answer(response: Any) -> Mapping[str, object]:
+def _answer(response: Any, pace: Pace) -> Mapping[str, object]:
     """A lean GET's 200/206 shaped as ``get_object``'s answer."""
     headers = response.headers
-    out: dict[str, object] = {"Body": _Body(_read(response))}
+    out: dict[str, object] = {"Body": _Body(_read(response.raw, pace))}
     length = headers.get("Content-Length")
     if length is not None and length.isdigit():
         out["ContentLength"] = int(length)
@@ -485,19 +529,48 @@ def _answer(response: Any) -> Mapping[str, object]:
     return out
 
 
-def read_body(response: Mapping[str, object], label: str) -> bytes:
+def read_body(response: Mapping[str, object], label: str, pace: Pace) -> bytes:
     """The whole body of a get_object response; ``CacheNetworkError`` if it came short (a
-    connection cut mid-transfer must not look like a corrupt object)."""
+    connection cut mid-transfer must not look like a corrupt object). A botocore body (the
+    client's own GET: a bucket's first, a redirect) is read as it arrives, held to ``pace``
+    as a lean GET's is; a lean GET's was read so already; another (a test's client) whole."""
     body = response["Body"]
     assert isinstance(body, S3Body)
+    # botocore's StreamingBody reads whole or by blocking amounts: its urllib3 response,
+    # which reads what comes (read1), is the only way to a rate between socket reads.
+    raw = getattr(body, "_raw_stream", None)
     try:
-        data: bytes = body.read()
+        if getattr(body, "read_whole", False) or not callable(getattr(raw, "read1", None)):
+            data: bytes = body.read()
+        else:
+            data = _read(raw, pace)
     finally:
         body.close()
     expected = response.get("ContentLength")
     if isinstance(expected, int) and len(data) != expected:
         raise CacheNetworkError(f"{label}: body ended after {len(data)} of {expected} bytes")
     return data
+
+
+class PacedBody(io.BytesIO):
+    """A PUT's body as the HTTP connection sends it: a block read, then sent (``sendall``,
+    bounded by the socket timeout), then the next; each block read is counted by ``pace``,
+    so a store that takes the bytes slower than the floor has the PUT abandoned (found by
+    review: it held the thread and its payload as long as it trickled). Read again from its
+    start (signing, a retry) the pace restarts; once abandoned, a retry fails at once."""
+
+    def __init__(self, data: bytes, pace: Pace) -> None:
+        super().__init__(data)  # shares ``data``'s buffer until written to (never)
+        self._pace = pace
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        data = super().read(size)
+        self._pace.moved(len(data))
+        return data
+
+    def seek(self, pos: int, whence: int = 0, /) -> int:
+        self._pace.restart()
+        return super().seek(pos, whence)
 
 
 def list_names(client: S3Client, bucket: str, prefix: str) -> Iterator[str]:
