@@ -242,6 +242,8 @@ class Server:
             assert isinstance(timings, dict)
             text = str(out["content"])
             tokens = int(timings["predicted_n"])
+        if "predicted_ms" not in timings:  # a kvwarm from before 2026-11-29 (--base-tree)
+            timings = {**timings, "predicted_ms": timings["generation_ms"], "predicted_n": tokens}
         seconds, steps = timings["predicted_ms"] / 1e3, int(timings["predicted_n"]) - 1
         drafted = int(timings.get("draft_n", 0))
         accepted = int(timings.get("draft_n_accepted", 0))
