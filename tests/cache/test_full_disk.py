@@ -61,20 +61,28 @@ def fill(cache: Cache, n: int) -> list[bytes]:
     return keys
 
 
+def saved_after_one_enospc(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> bytes:
+    """A row saved on the disk tier through one ENOSPC: refused once, then written after the
+    eviction it made (each checked); its key."""
+    full = FullOnce()
+    monkeypatch.setattr(publish, "_write_all", full)
+    key = cache.save(req((7,) * 8, ROW, tier="disk"), sync=True)
+    assert key is not None and cache.lookup_exact(key) is not None
+    counters = cache.counters()
+    assert full.calls == 2  # refused once, then written
+    assert counters["saves_retried_after_enospc"] == 1
+    assert counters["save_failures"] == 0
+    return key
+
+
 def test_a_save_refused_for_space_evicts_and_is_retried(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with disk_cache(root) as cache:
         fill(cache, 4)
         order = cache._index.eviction_order("disk")
-        full = FullOnce()
-        monkeypatch.setattr(publish, "_write_all", full)
-        key = cache.save(req((7,) * 8, ROW, tier="disk"), sync=True)
-        assert key is not None and cache.lookup_exact(key) is not None
+        key = saved_after_one_enospc(cache, monkeypatch)
         counters = cache.counters()
-        assert full.calls == 2  # refused once, then written
-        assert counters["saves_retried_after_enospc"] == 1
-        assert counters["save_failures"] == 0
         # Room for one row of 10 kB plus its header: the policy's first two victims leave.
         assert counters["evictions"] == 2
         assert [cache.lookup_exact(k) is None for k in order] == [True, True, False, False]
@@ -139,12 +147,5 @@ def test_enospc_is_retried_when_the_eviction_frees_only_orphan_chunks(
     (root / f"{key.hex()}.kvc").unlink()  # its three chunks are orphans now
     with Cache(config, background=False) as cache:
         assert cache.counters()["tier_disk_chunks"] == 3 and not cache.rows()
-        full = FullOnce()
-        monkeypatch.setattr(publish, "_write_all", full)
-        saved = cache.save(req((7,) * 8, ROW, tier="disk"), sync=True)
-        assert saved is not None and cache.lookup_exact(saved) is not None
-        counters = cache.counters()
-        assert full.calls == 2  # refused once, then written
-        assert counters["saves_retried_after_enospc"] == 1
-        assert counters["save_failures"] == 0
+        saved_after_one_enospc(cache, monkeypatch)
         assert len(list(root.glob("*.kvk"))) < 3
