@@ -123,6 +123,9 @@ class Worker:
         # Requests taken off the queue and not yet shown in a slot (under _cond): still
         # waiting for their slot, so ``queued`` counts them (``_admit``).
         self._admitting = 0
+        # The request ``_admit`` took off the queue and has not seated or answered yet
+        # (worker thread only): in neither the queue nor a slot, so a death answers it here.
+        self._seating: Request | None = None
         self._jobs: deque[_Job] = deque()
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
@@ -439,11 +442,14 @@ class Worker:
                 req = self._queue.popleft()
                 after = req.after
                 self._admitting += 1
+            self._seating = req
             try:
                 if req.cancelled.is_set() or (after is not None and not after.finished):
                     self.outcomes.ended_like(req, after)
+                    self._seating = None
                     continue
                 self.admission.admit(req, free)
+                self._seating = None
                 seated = True
                 self.rt.publish()
             finally:
@@ -488,6 +494,11 @@ class Worker:
                 log.exception("worker %s: failing a slot as the worker died", self.name)
             for one in act.req.group:
                 one.answer(Failed(err))  # a no-op for those answered just now
+        # Found by review: a death inside a request's admission (its restore, its seating)
+        # left it in no slot and off the queue, and its caller waited for ever.
+        seating, self._seating = self._seating, None
+        for one in () if seating is None else seating.group:
+            one.answer(Failed(err))
         self._fail_waiting(err)
         self._shutdown_save_once()
 
