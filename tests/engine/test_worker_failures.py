@@ -170,6 +170,38 @@ def test_a_worker_that_dies_mid_tick_answers_every_request_with_an_error() -> No
         eng.close()
 
 
+class _Died(BaseException):
+    """What no handler of the worker's catches but its thread's last one."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_inside_an_admission_answers_that_request_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request being admitted is off the queue and in no slot yet: a death there (its
+    restore) answered every queued and running request but not it, nor its other choices,
+    and their callers waited for ever."""
+    from kvwarm.engine.worker.admission import Admission
+
+    def dying(*_args: object) -> None:
+        raise _Died()
+
+    monkeypatch.setattr(Admission, "restore", dying)
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config(n_parallel=2))
+        group = model.streams(PROMPT, GenerationOptions(max_tokens=4, temperature=1.0), n=2)
+        worker = model._worker
+        assert worker._closed.wait(10)
+        for stream in group:
+            event = _final(stream.request)
+            assert isinstance(event, Failed), event
+            assert isinstance(event.error, EngineClosedError)
+        assert model.worker_failure() is not None
+    finally:
+        eng.close()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
     """The close drain finished the running request first: an unexpected error there (its

@@ -295,3 +295,48 @@ def test_a_fork_cancelled_while_its_group_is_queued_is_answered_at_once_and_need
         assert first.result().text == alone[0]
         busy.result()
         assert model.status().active == 0
+
+
+def test_abandoned_queued_streams_count_against_no_max_queue_and_leave_at_once() -> None:
+    """A stream collected unread cancels its request by setting its event alone (its
+    finalizer takes no lock): the request stayed queued until it reached a free slot, so a
+    queue of abandoned requests refused new ones with max_queue while nothing waited, and
+    they were answered only once the busy slot was free (found by review)."""
+    with make_engine() as eng:
+        backend = GatedBackend()
+        config = replace(stub_config(n_parallel=1, backend=backend), max_queue=2)
+        model = eng.load_model(config=config)  # type: ignore[arg-type]
+        busy = model.stream("another prompt", GenerationOptions(max_tokens=30, temperature=0.0))
+        backend.gate.step(1)  # seated: the one slot is busy
+        dropped = [model.stream(f"prompt {i}", SAMPLED) for i in range(2)]
+        requests = [s.request for s in dropped]
+        del dropped  # collected: their requests are cancelled
+        assert all(r.cancelled.is_set() for r in requests)
+        late = model.stream(PROMPT, SAMPLED)  # QueueFullError before the fix
+        backend.gate.step(1)
+        assert all(r.answered for r in requests)  # without waiting for the busy slot
+        assert model.status().queued == 1
+        backend.gate.set()
+        assert late.result().text == _alone(1)[0]
+        busy.result()
+
+
+def test_an_abandoned_group_at_the_queue_s_head_holds_no_request_behind_it() -> None:
+    """An ``n = 2`` group whose streams were collected while it waited at the queue's head for
+    two free slots kept waiting for them, and the single request behind it with it, though
+    the group would be dropped unseated (found by review)."""
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        busy = model.stream("another prompt", GenerationOptions(max_tokens=30, temperature=0.0))
+        backend.gate.step(1)  # seated: one slot is left
+        group = model.streams(PROMPT, SAMPLED, n=2)
+        behind = model.stream("a single request", SAMPLED)
+        head = group[0].request
+        del group
+        backend.gate.step(1)
+        assert head.answered
+        assert model.status().active == 2  # the single request runs beside the busy one
+        backend.gate.set()
+        assert behind.result().stats.finish_reason == "length"
+        busy.result()

@@ -123,6 +123,9 @@ class Worker:
         # Requests taken off the queue and not yet shown in a slot (under _cond): still
         # waiting for their slot, so ``queued`` counts them (``_admit``).
         self._admitting = 0
+        # The request ``_admit`` took off the queue and has not seated or answered yet
+        # (worker thread only): in neither the queue nor a slot, so a death answers it here.
+        self._seating: Request | None = None
         self._jobs: deque[_Job] = deque()
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
@@ -167,7 +170,9 @@ class Worker:
         with self._cond:
             if self._closing:
                 raise EngineClosedError(f"model {self.name!r} is shut down")
-            waiting = sum(1 for r in self._queue if r.counted)
+            # Not one whose stream was abandoned (``stream._abandoned``): it is cancelled
+            # but still queued until the worker drops it (``_drop_abandoned``).
+            waiting = sum(1 for r in self._queue if r.counted and not r.cancelled.is_set())
             if waiting >= self.cfg.max_queue:
                 raise QueueFullError(
                     f"model {self.name!r} has {waiting} queued requests (max_queue)"
@@ -424,6 +429,7 @@ class Worker:
         whether any was seated. Each is counted as ``queued`` until its slot is published
         (what was seated shows busy during a long pass)."""
         seated = False
+        self._drop_abandoned()
         if self._blocked_by_idle_job():
             return seated
         while True:
@@ -436,16 +442,40 @@ class Worker:
                 req = self._queue.popleft()
                 after = req.after
                 self._admitting += 1
+            self._seating = req
             try:
                 if req.cancelled.is_set() or (after is not None and not after.finished):
                     self.outcomes.ended_like(req, after)
+                    self._seating = None
                     continue
                 self.admission.admit(req, free)
+                self._seating = None
                 seated = True
                 self.rt.publish()
             finally:
                 with self._cond:
                     self._admitting -= 1
+
+    def _drop_abandoned(self) -> None:
+        """Answer and take out of the queue every request (or fork of a queued group) that
+        was cancelled without ``cancel``: its stream was collected unread, whose finalizer
+        only sets its event (it may run on this thread, inside ``_cond``). Found by review:
+        such a request stayed queued until it reached a free slot, counted against
+        ``max_queue`` (a 429 with nothing waiting), and a group among them still waited at
+        the queue's head for as many free slots as it had choices. Not once closing:
+        ``stop`` sets every queued request's event, and they are answered "unloaded"."""
+        with self._cond:
+            if self._closing:
+                return
+            gone = [r for r in self._queue if r.cancelled.is_set()]
+            for req in gone:
+                self._queue.remove(req)
+            for req in self._queue:
+                if any(f.cancelled.is_set() for f in req.forks):
+                    gone += [f for f in req.forks if f.cancelled.is_set()]
+                    req.forks = tuple(f for f in req.forks if not f.cancelled.is_set())
+        for req in gone:
+            self.outcomes.cancelled_unstarted(req)
 
     def _fail_on_death(self, exc: BaseException) -> None:
         """The thread is dying of ``exc``: every request in a slot, queued or waiting on a job
@@ -464,6 +494,11 @@ class Worker:
                 log.exception("worker %s: failing a slot as the worker died", self.name)
             for one in act.req.group:
                 one.answer(Failed(err))  # a no-op for those answered just now
+        # Found by review: a death inside a request's admission (its restore, its seating)
+        # left it in no slot and off the queue, and its caller waited for ever.
+        seating, self._seating = self._seating, None
+        for one in () if seating is None else seating.group:
+            one.answer(Failed(err))
         self._fail_waiting(err)
         self._shutdown_save_once()
 
