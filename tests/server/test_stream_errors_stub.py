@@ -104,6 +104,26 @@ def test_a_stream_past_the_deadline_ends_with_an_error(slow_client: TestClient, 
     assert _cancelled(slow_client) == before + 1
 
 
+@pytest.mark.parametrize("api", sorted(STREAMS))
+def test_a_stream_past_the_deadline_before_its_first_token_is_an_error_status(
+    slow_client: TestClient, api: str
+) -> None:
+    """Nothing sent yet: the deadline is the response's status, as for a reply not streamed
+    (found by review: a 200 stream of one error event), and the generation is counted."""
+    model = slow_client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+    model._bmodel.backend.decode_delay_s = 2.0  # the prompt's pass outlasts the 0.5 s
+    path, body = STREAMS[api]
+    before = _cancelled(slow_client)
+    response = slow_client.post(path, json={"model": "a", "stream": True, **body})
+    error = response.json()["error"]
+    if api == "anthropic":  # Anthropic's shape of a 503: its overloaded_error
+        assert (response.status_code, error["type"]) == (529, "overloaded_error"), error
+        assert "request_timeout_s" in error["message"]
+    else:
+        assert (response.status_code, error["code"]) == (503, "request_timeout"), error
+    assert _cancelled(slow_client) == before + 1
+
+
 def _cancelled(client: TestClient) -> float:
     """``kvwarm_generations_total`` of model a's cancelled generations."""
     registry = client.app.state.kvwarm.counters.registry  # type: ignore[attr-defined]

@@ -206,11 +206,18 @@ class Generation:
         self.stream.cancel()
 
     async def prime(self) -> None:
-        """Wait for the first fragment (or the end), so early errors raise here."""
+        """Wait for the first fragment (or the end), so early errors raise here: a stream the
+        server cut before its first fragment (its deadline while it queued or prefilled, the
+        end of shutdown) raises why, counted as it ends (found by review: nothing had been
+        sent, yet the client got a 200 stream of one error event)."""
         try:
             self._first = await self._iter.__anext__()
         except StopAsyncIteration:
             self._first = _DONE
+        if self._cut is not None:
+            # Cut before anything was sent: the worker may have given a token it had under
+            # way (a prompt's pass outlasting the deadline) before it saw the cut.
+            await self.result()  # counts it; raises the cut where it ended the reply
 
     async def open_streaming(self) -> None:
         """Start watching for a disconnect and prime; on failure release everything, so the
