@@ -635,8 +635,9 @@ class BackendModel(Protocol):
         """What the engine hashes beside ``params`` into this model's cache keys
         (``ContextParams.kv_hash``): ``kernels``, and whatever else of the process makes a
         context of ``params`` made now store other KV bytes or attend otherwise (llama.cpp:
-        quantized cells left unrotated, ``LLAMA_ATTN_ROT_DISABLE``), as a short tag; "" where
-        all are the backend's defaults, so default rows keep their keys."""
+        quantized cells left unrotated, ``LLAMA_ATTN_ROT_DISABLE``; the threads a one-token
+        pass splits f16 cells among under flash attention), as a short tag; "" where all are
+        the backend's defaults, so default rows keep their keys."""
         ...
 
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
