@@ -631,12 +631,14 @@ class BackendModel(Protocol):
         and rows computed one way are never restored as the other's."""
         ...
 
-    def kv_tag(self, params: ContextParams) -> str:
+    def kv_tag(self, params: ContextParams, *, deterministic: bool = False) -> str:
         """What the engine hashes beside ``params`` into this model's cache keys
         (``ContextParams.kv_hash``): ``kernels``, and whatever else of the process makes a
         context of ``params`` made now store other KV bytes or attend otherwise (llama.cpp:
-        quantized cells left unrotated, ``LLAMA_ATTN_ROT_DISABLE``), as a short tag; "" where
-        all are the backend's defaults, so default rows keep their keys."""
+        quantized cells left unrotated, ``LLAMA_ATTN_ROT_DISABLE``; for a ``deterministic``
+        model, the threads a one-token pass splits f16 cells among under flash attention), as
+        a short tag; "" where all are
+        the backend's defaults, so default rows keep their keys."""
         ...
 
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:

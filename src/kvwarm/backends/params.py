@@ -245,9 +245,12 @@ class ContextParams:
 
         ``n_seq_max``, ``kv_unified`` and thread counts are excluded: a sequence's KV bytes
         (in the one-stream form rows are stored in) do not depend on them, and rows must be
-        shareable between a 1-slot and an N-slot context. The KV cell types, flash attention
-        (it changes the numerics and whether V is stored transposed) and every RoPE/YaRN knob
-        (K is stored rotated) are included. Fields added after the first
+        shareable between a 1-slot and an N-slot context. (Except a deterministic
+        model's ``n_threads`` where a one-token pass may split the cells among the threads: the
+        backend tags that count, ``BackendModel.kv_tag``, resolving None as the process runs
+        it.) The KV cell types,
+        flash attention (it changes the numerics and whether V is stored transposed) and
+        every RoPE/YaRN knob (K is stored rotated) are included. Fields added after the first
         version are hashed only when they differ from their defaults: a context created before
         they existed ran with exactly those defaults, so its rows keep their keys.
         """

@@ -169,7 +169,7 @@ def run_explain(args: argparse.Namespace) -> int:
             speculative=cfg.speculates_with(facts.pooling),
             exact=cfg.spec_exact,
         )
-        kernels = bmodel.kv_tag(context)
+        kernels = bmodel.kv_tag(context, deterministic=cfg.deterministic)
     finally:
         bmodel.close()
     fingerprint = model_fingerprint(path, parse_mode(cfg.fingerprint_mode), cfg.fingerprint)

@@ -421,7 +421,7 @@ class Model:
             kv_unified=not (cfg.deterministic and cfg.n_parallel > 1),
         )
         # Read as the context is made (llama.cpp reads its rotation switch then).
-        kv_tag = self._bmodel.kv_tag(cfg.context)
+        kv_tag = self._bmodel.kv_tag(cfg.context, deterministic=cfg.deterministic)
         self._ctx = self._bmodel.new_context(total)
         #: Where a verify pass's rows are one-token passes (and so a greedy speculative reply
         #: plain decoding's): ``BackendModel.verify_exactness``, asked (it may measure) only

@@ -163,6 +163,18 @@ def untile_for_verifying(path: str, weights: model_file.WeightKernels | None = N
     return _native.untile_for_exact_rows(f"{Path(path).name} speculates, with K-quant weights")
 
 
+def _splits_cells(params: ContextParams) -> bool:
+    """Whether a context of ``params`` may attend a one-token pass with llama.cpp's split-KV
+    kernel (``_SPLIT_KV_CELLS``): flash attention not off (``auto`` is on on the CPU) and K and
+    V both f16 or f32. Whatever its ``n_ctx``: a unified buffer's view spans every slot's
+    cells."""
+    return (
+        params.flash_attn != "off"
+        and concrete_kv(params.type_k) in _SPLIT_KV_TYPES
+        and concrete_kv(params.type_v) in _SPLIT_KV_TYPES
+    )
+
+
 def _bridge(
     user_progress: Callable[[float], bool], failure: list[BaseException]
 ) -> Callable[[float, object], bool]:
@@ -657,10 +669,23 @@ class LlamaModel:
     def kernels(self) -> str:
         return self._kernels
 
-    def kv_tag(self, params: ContextParams) -> str:
+    def kv_tag(self, params: ContextParams, *, deterministic: bool = False) -> str:
         tags = [self._kernels] if self._kernels else []
         if model_file.kv_rotation_off(params):
             tags.append("unrotated")
+        threads = params.n_threads or _native.default_threads()
+        if deterministic and threads > 1 and _splits_cells(params):
+            # Found by review: the split-KV kernel's shares are the threads', so a one-token
+            # pass past 512 cells computes other bits on another count (a prompt's last chunk
+            # of one token: its stored logits; n_ubatch 1: every cell), and a row from a
+            # process (a replica, a restart) of another count restored as this one's
+            # (SmolLM2, f16: logits off by ~0.4-1.0 from the cold run's,
+            # ``tests/backends/test_kv_threads.py``). Passes of several rows run on
+            # ``n_threads_batch`` and do not split the cells: their bits are the same. Only
+            # where bits are promised (deterministic mode): elsewhere another count's row is
+            # the same prefix's KV rounded otherwise, as another CPU's, and replicas of
+            # other CPU counts keep sharing rows.
+            tags.append(f"threads{threads}")
         return ",".join(tags)
 
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:

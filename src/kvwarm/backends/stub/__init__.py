@@ -331,7 +331,7 @@ class StubModel:
     def kernels(self) -> str:
         return ""  # one way to compute
 
-    def kv_tag(self, params: ContextParams) -> str:
+    def kv_tag(self, params: ContextParams, *, deterministic: bool = False) -> str:
         return ""  # one way to compute and store
 
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
