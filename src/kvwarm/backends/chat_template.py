@@ -10,7 +10,9 @@ its result, being ``Markup``, escaped what a template joined to it: found by rev
 controls (``{% break %}``, ``{% continue %}``) and ``{% generation %}`` blocks (rendered as
 their body). Every failure — syntax, ``raise_exception``, sandbox violation,
 undefined access, arithmetic, recursion — becomes ``InvalidRequestError``; nothing else
-escapes.
+escapes. The sandbox keeps a template from files, private attributes and code, and refuses
+one ``range`` past 100,000 items; it bounds no render's time or memory (nested loops,
+``'x' * 10**9``), so a model's template is trusted not to spend them.
 """
 
 from __future__ import annotations
