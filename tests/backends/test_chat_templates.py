@@ -10,7 +10,7 @@ import pytest
 from tests.engine.conftest import make_engine, stub_config
 
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, render_chat, resolve_template
-from kvwarm.errors import ConfigError
+from kvwarm.errors import ConfigError, InvalidRequestError
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -100,3 +100,28 @@ def test_loop_controls_and_generation_blocks_render() -> None:
         {"role": "user", "content": "b"},
     ]
     assert render_chat(source, messages, bos_token="", eos_token="") == "a;"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 1 / 0 }}",
+        "{{ 10.0 ** 1000 }}",
+        "{{ range(10 ** 9) | list }}",  # the sandbox's MAX_RANGE: an OverflowError
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}",  # too deep to compile
+    ],
+    ids=["zero-division", "float-overflow", "range", "recursion", "nesting"],
+)
+def test_every_template_failure_is_an_invalid_request(source: str, tmp_path: Path) -> None:
+    """Found by review: a template's arithmetic error, the sandbox's refusal of a huge range
+    and a recursion too deep escaped ``render_chat`` untyped (a 500), where every other
+    failure was an ``InvalidRequestError`` (a 400); a ``--chat-template`` file too deep to
+    compile was a ``RecursionError`` at start where others are ``ConfigError``."""
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        render_chat(source, CHAT, bos_token="", eos_token="")
+    if source.startswith("{{ ((("):
+        deep = tmp_path / "deep.jinja"
+        deep.write_text(source)
+        with pytest.raises(ConfigError, match="not a valid Jinja"):
+            resolve_template(str(deep))

@@ -9,7 +9,10 @@ escaping; jinja2's own sorts keys and writes ``it's <b>`` as ``it\u0027s \u003cb
 its result, being ``Markup``, escaped what a template joined to it: found by review), loop
 controls (``{% break %}``, ``{% continue %}``) and ``{% generation %}`` blocks (rendered as
 their body). Every failure — syntax, ``raise_exception``, sandbox violation,
-undefined access — becomes ``InvalidRequestError``; nothing else escapes.
+undefined access, arithmetic, recursion — becomes ``InvalidRequestError``; nothing else
+escapes. The sandbox keeps a template from files, private attributes and code, and refuses
+one ``range`` past 100,000 items; it bounds no render's time or memory (nested loops,
+``'x' * 10**9``), so a model's template is trusted not to spend them.
 """
 
 from __future__ import annotations
@@ -130,6 +133,10 @@ def render_chat(
         raise InvalidRequestError(
             f"chat template failed on these messages: {exc!r}", param="messages"
         ) from exc
+    except (ArithmeticError, RecursionError) as exc:
+        # A division by zero, the sandbox's refusal of a range past MAX_RANGE (an
+        # OverflowError), a macro recursing without end or source nested too deep to compile.
+        raise InvalidRequestError(f"chat template failed: {exc!r}", param="messages") from exc
 
 
 # --- Built-in templates: for a GGUF that carries none, or a user who names one -----------------
@@ -205,6 +212,6 @@ def resolve_template(value: str) -> tuple[str, str]:
         raise ConfigError(f"chat_template {value!r} cannot be read: {exc}") from exc
     try:
         _compile(source)
-    except jinja2.TemplateError as exc:
+    except (jinja2.TemplateError, RecursionError) as exc:
         raise ConfigError(f"chat_template {value!r} is not a valid Jinja template: {exc}") from exc
     return f"file:{hashlib.sha256(source.encode()).hexdigest()[:12]}", source

@@ -17,7 +17,8 @@ Invariants:
   do not change when later messages are appended, so turn N's prompt tokens stay a prefix of
   turn N+1's (the cache's multi-turn hits rely on it).
 - Other strings a template may render as markup (names, tool calls, tool definitions, contents
-  that are not strings) must not contain special-token text: ``InvalidRequestError`` otherwise.
+  that are not strings, and the keys of their mappings) must not contain special-token text:
+  ``InvalidRequestError`` otherwise.
 - A template that rewrites content (strip, split) moves the sentinels' surroundings; then the
   spliced text differs from the real render and the whole render is tokenized at once, which
   is safe only if no content holds special-token text (``InvalidRequestError`` otherwise).
@@ -503,7 +504,14 @@ def _strings(value: object, where: str) -> list[tuple[str, str]]:
     if isinstance(value, str):
         return [(where, value)]
     if isinstance(value, Mapping):
-        return [s for k, v in value.items() for s in _strings(v, f"{where}.{k}")]
+        # Keys too: a template's ``tojson`` writes them as markup (a schema's property names,
+        # a call's argument names).
+        found: list[tuple[str, str]] = []
+        for k, v in value.items():
+            if isinstance(k, str):
+                found.append((f"{where}.{k}", k))
+            found += _strings(v, f"{where}.{k}")
+        return found
     if isinstance(value, list | tuple):
         return [s for i, v in enumerate(value) for s in _strings(v, f"{where}.{i}")]
     return []
