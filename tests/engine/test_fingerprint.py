@@ -119,3 +119,57 @@ def test_a_file_replaced_after_it_was_hashed_is_not_loaded_under_its_old_key(
         # Loaded again, its fingerprint is of the file it now is.
         model = engine.load_model(f, config=ModelConfig(backend=Replaced()))
         assert fingerprint(f, FingerprintMode.SAFE) in model.cache_fingerprints()
+
+
+@pytest.mark.parametrize("companion", ["draft_model", "mmproj"])
+def test_a_companion_file_replaced_after_it_was_read_is_not_loaded_under_the_new_files_key(
+    tmp_path: Path, companion: str
+) -> None:
+    """A draft model (or a projector) was read first and hashed after: a file replaced
+    between the two loaded the old weights under the new file's key, so the draft context's
+    rows (an image's KV) were saved, and later restored, as the new file's (found by review,
+    the gap the model's own load had)."""
+    from dataclasses import replace
+
+    from tests.engine.conftest import make_engine, stub_config
+
+    from kvwarm.backends.base import ModelParams, ProjectorParams
+    from kvwarm.backends.stub import StubBackend, StubModel
+    from kvwarm.backends.stub.projector import StubProjector
+    from kvwarm.engine.fingerprint import companion_fingerprint, model_fingerprint, with_projector
+    from kvwarm.errors import ModelLoadError
+
+    f, update = tmp_path / "companion.gguf", tmp_path / "update.gguf"
+    f.write_bytes(b"old weights" * 100)
+    update.write_bytes(b"new weights" * 100)
+
+    class Replaced(StubBackend):
+        """A backend whose read of the companion file is followed by its replacement."""
+
+        def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
+            loaded = super().load_model(path, params)
+            if path == str(f) and update.exists():
+                update.replace(f)
+            return loaded
+
+    load_projector = StubModel.load_projector
+
+    def replaced_projector(self: StubModel, path: str, params: ProjectorParams) -> StubProjector:
+        loaded = load_projector(self, path, params)
+        if path == str(f) and update.exists():
+            update.replace(f)
+        return loaded
+
+    config = replace(stub_config(1, backend=Replaced()), **{companion: str(f)})
+    with make_engine() as engine, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StubModel, "load_projector", replaced_projector)
+        with pytest.raises(ModelLoadError, match="changed on disk while it loaded"):
+            engine.load_model(config=config)
+        # Loaded again, its key is of the file it now is.
+        model = engine.load_model(config=config)
+        now = companion_fingerprint(f, FingerprintMode.SAFE)
+        if companion == "draft_model":
+            assert model._draft is not None and model._draft.namespace.fingerprint == now
+        else:
+            target = model_fingerprint(model.path, FingerprintMode.SAFE, None)
+            assert model._fingerprint == with_projector(target, f, FingerprintMode.SAFE)

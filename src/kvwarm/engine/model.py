@@ -57,6 +57,7 @@ from kvwarm.engine.describe import (
 )
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import (
+    FileIdentity,
     companion_fingerprint,
     file_identity,
     model_fingerprint,
@@ -189,15 +190,14 @@ class Model:
         exact_rows = needs_exact_rows(cfg, path)
         params = replace(cfg.model_params, progress=phases.weights(), exact_rows=exact_rows)
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
-        if file_identity(path) != hashed:
+        try:
             # Found by review: a file replaced (or rewritten) after it was hashed and before
             # llama.cpp read it loaded the new weights under the old file's fingerprint, so
             # their KV was saved, and later restored, as the old file's.
+            _check_unchanged(path, hashed)
+        except BaseException:
             self._bmodel.close()
-            raise ModelLoadError(
-                f"{path} changed on disk while it loaded (its fingerprint is of the file it "
-                "was before): load it again"
-            )
+            raise
         self._projector: Projector | None = None
         self._draft: DraftModel | None = None
         #: The context as configured, before the backend resolved its ``auto`` values.
@@ -300,9 +300,12 @@ class Model:
         path = Path(os.path.expanduser(mmproj))
         threads = self.config.context.n_threads_batch or self.config.context.n_threads
         gpu = self.config.model_params.n_gpu_layers != 0
+        read = file_identity(path)
         projector = self._bmodel.load_projector(str(path), ProjectorParams(threads, gpu))
         try:
-            self._fingerprint = with_projector(self._fingerprint, path, self.fingerprint_mode)
+            fingerprint = with_projector(self._fingerprint, path, self.fingerprint_mode)
+            _check_unchanged(path, read)
+            self._fingerprint = fingerprint
         except BaseException:
             projector.close()
             raise
@@ -322,9 +325,13 @@ class Model:
         its context's hash)."""
         cfg = self.config
         path = Path(os.path.expanduser(draft_path))
+        read = file_identity(path)
         bmodel = self.backend.load_model(str(path), replace(cfg.model_params, progress=None))
         try:
             check_vocab(self._bmodel, bmodel, str(path))
+            # Hashed after its weights were read, as it was when they were.
+            fingerprint = companion_fingerprint(path, self.fingerprint_mode)
+            _check_unchanged(path, read)
             # The cells this model's were given: a draft's verify rows are never compared, so
             # ``auto`` is f16 there (the exact type costs a draft prefill 1.5x).
             given = self._context_given
@@ -351,7 +358,6 @@ class Model:
                         f"draft model {path}: its {ctx.memory.describe()} memory cannot roll "
                         "a rejected draft back"
                     )
-                fingerprint = companion_fingerprint(path, self.fingerprint_mode)
                 # Its own namespace even where the draft model is the model itself: the draft
                 # context's rows are whole blobs of its prompts, never mixed with the model's.
                 kv_hash = ran.kv_hash(kv_tag)
@@ -1296,6 +1302,18 @@ class _Links:
 
 if TYPE_CHECKING:
     _IMPLEMENTS: type[ModelOps] = Model  # every operation of ``engine.ops``, in-process
+
+
+def _check_unchanged(path: Path, before: FileIdentity) -> None:
+    """``ModelLoadError`` unless ``path`` is the file it was (``before``) when it began to be
+    read and hashed: its fingerprint and its weights are then of one file. The draft model and
+    the projector are read first and hashed after (found by review: a file replaced between
+    the two loaded the old weights under the new file's key), the model the other way round."""
+    if file_identity(path) != before:
+        raise ModelLoadError(
+            f"{path} changed on disk while it loaded (its fingerprint need not be of the "
+            "weights read): load it again"
+        )
 
 
 def _check_prompt_type(prompt: object) -> None:
