@@ -173,3 +173,26 @@ def test_a_companion_file_replaced_after_it_was_read_is_not_loaded_under_the_new
         else:
             target = model_fingerprint(model.path, FingerprintMode.SAFE, None)
             assert model._fingerprint == with_projector(target, f, FingerprintMode.SAFE)
+
+
+@pytest.mark.parametrize("mode", [FingerprintMode.SAFE, FingerprintMode.FAST_UNSAFE])
+def test_a_split_draft_model_is_every_parts_content(tmp_path: Path, mode: FingerprintMode) -> None:
+    """A draft model's key is its file's as a model's is (found by review: only a split draft
+    model's first part was hashed, so draft models whose first parts are alike restored each
+    other's draft rows)."""
+    from tests.tinymodels import write_reranker
+
+    from kvwarm.engine.fingerprint import companion_fingerprint
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for directory, seed in ((mine, 7), (other, 8)):
+        directory.mkdir()
+        write_reranker(
+            directory / "m.gguf", "decoder", template=None, seed=seed, split_max_tensors=3
+        )
+    first = "m-00001-of-00009.gguf"
+    shutil.copyfile(mine / first, other / first)  # the same first part, other weights after it
+    assert companion_fingerprint(mine / first, mode) != companion_fingerprint(other / first, mode)
+    single = tmp_path / "single.gguf"
+    write_reranker(single, "decoder", template=None)
+    assert companion_fingerprint(single, mode) == fingerprint(single, FingerprintMode.SAFE)

@@ -97,11 +97,13 @@ def companion_fingerprint(path: Path, mode: FingerprintMode) -> bytes:
     hashed as the model is, but for ``fast_unsafe``, which supplies the model's fingerprint
     only: the file is then hashed whole (found by review: a draft model asked for a supplied
     fingerprint, so no model of that mode could load one). A backend that needs no file (the
-    stub): its path names it."""
-    if not path.is_file():
-        return hashlib.sha256(b"stub:" + str(path).encode()).digest()
+    stub): its path names it. A split file is every part's content, as a model's is
+    (``model_fingerprint``; found by review: a split draft model's first part alone was
+    hashed)."""
     chunked = mode is FingerprintMode.GGUF_CHUNKED
-    return fingerprint(path, FingerprintMode.GGUF_CHUNKED if chunked else FingerprintMode.SAFE)
+    return model_fingerprint(
+        path, FingerprintMode.GGUF_CHUNKED if chunked else FingerprintMode.SAFE, None
+    )
 
 
 def fingerprint(
