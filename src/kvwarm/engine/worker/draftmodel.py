@@ -114,8 +114,8 @@ def check_vocab(target: BackendModel, draft: BackendModel, draft_path: str) -> N
         return
     token = next(t for t in range(VOCAB_CHECK_START, common) if pieces[t] != draft_pieces[t])
     raise ConfigError(
-        f"draft model {draft_path}: token {token} differs from the model's: a draft "
-        "model needs the model's vocabulary"
+        f"draft model {draft_path}: token {token} differs from the model's ({draft_pieces[token]!r}"
+        f", the model's {pieces[token]!r}): a draft model needs the model's vocabulary"
     )
 
 
