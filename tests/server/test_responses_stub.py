@@ -19,7 +19,7 @@ from kvwarm.server.responses.store import ResponseStore, StoredResponse
 from kvwarm.server.schemas import ChatMessage
 from kvwarm.server.tools import ToolCall
 
-from .conftest import stub_settings, wait_ready
+from .conftest import server_state, stub_settings, wait_ready
 from .test_anthropic_stub import named_events
 from .test_api_stub import assert_error
 
@@ -206,6 +206,40 @@ def test_a_conversation_longer_than_max_chat_messages_is_a_400() -> None:
         assert "max_chat_messages" in over.json()["error"]["message"]
         turns = [{"role": "user", "content": "x"}] * 3
         assert fresh.post("/v1/responses", json={**BASE, "input": turns}).status_code == 200
+
+
+def test_a_follow_up_that_would_outgrow_the_store_is_a_400() -> None:
+    """The store's character bound held between responses, but a response larger than it
+    is kept, and a chain of follow-ups made each turn's larger than the last: every stored
+    response holds its whole conversation and input items, items no prompt holds (a
+    ``reasoning`` item's summary: no context bound) included. Found by review: 8 KB of
+    reasoning per turn grew one stored response past any bound (to max_body_bytes times
+    max_chat_messages / 2: gigabytes). A follow-up that would outgrow the bound is refused;
+    a new conversation is not."""
+    bound = 30_000
+    with TestClient(create_app(stub_settings())) as fresh:
+        wait_ready(fresh.get)
+        store = server_state(fresh).responses = ResponseStore(max_chars=bound)
+        reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r" * 8000}]}
+        body = {
+            **BASE,
+            "max_output_tokens": 2,
+            "input": [reasoning, {"role": "user", "content": "More?"}],
+        }
+        previous = fresh.post("/v1/responses", json=body)
+        for _ in range(8):
+            assert previous.status_code == 200, previous.text
+            follow = fresh.post(
+                "/v1/responses", json={**body, "previous_response_id": previous.json()["id"]}
+            )
+            if follow.status_code != 200:
+                break
+            previous = follow
+        assert_error(follow, 400, "invalid_value", "previous_response_id")
+        assert f"{bound:,}" in follow.json()["error"]["message"]
+        kept = store.get(previous.json()["id"])
+        assert kept is not None and kept.size() <= bound
+        assert fresh.post("/v1/responses", json=body).status_code == 200
 
 
 def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
