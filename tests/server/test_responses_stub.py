@@ -242,6 +242,45 @@ def test_a_follow_up_that_would_outgrow_the_store_is_a_400() -> None:
         assert fresh.post("/v1/responses", json=body).status_code == 200
 
 
+def test_an_input_item_id_already_among_the_items_is_a_400(client: TestClient) -> None:
+    """``input_items`` pages by item id (``after``/``before``), so the ids of a response's
+    items must be unique. Found by review: an id the client gave twice, or gave again after
+    ``previous_response_id`` (a ``function_call`` item sent back with the id the previous
+    output gave it), was stored twice; a cursor naming it found the first, so paging from
+    one to the next returned the second again for ever (the SDK's auto-paging never ended).
+    Refused as OpenAI's does ("Duplicate item found with id ...")."""
+    first = client.post(
+        "/v1/responses", json={**BASE, "input": [{"role": "user", "content": "Hi.", "id": "m1"}]}
+    )
+    assert first.status_code == 200, first.text
+    again = [{"role": "user", "content": "Hi again.", "id": "m1"}]
+    follow = {**BASE, "input": again, "previous_response_id": first.json()["id"]}
+    assert_error(client.post("/v1/responses", json=follow), 400, "invalid_value", "input.0.id")
+    output_id = first.json()["output"][0]["id"]
+    resent = [{"role": "assistant", "content": "x", "id": output_id}, *again]
+    follow = {**follow, "input": [*resent[:1], {"role": "user", "content": "Go on."}]}
+    assert_error(client.post("/v1/responses", json=follow), 400, "invalid_value", "input.0.id")
+    twice = [
+        {"role": "user", "content": "a", "id": "m2"},
+        {"role": "user", "content": "b", "id": "m2"},
+    ]
+    assert_error(
+        client.post("/v1/responses", json={**BASE, "input": twice}),
+        400,
+        "invalid_value",
+        "input.1.id",
+    )
+    # Not stored, none is listed: the ids are the client's business.
+    unstored = client.post("/v1/responses", json={**BASE, "input": twice, "store": False})
+    assert unstored.status_code == 200, unstored.text
+    fresh = {**follow, "input": [{"role": "user", "content": "New.", "id": "m3"}]}
+    listed = client.get(
+        f"/v1/responses/{client.post('/v1/responses', json=fresh).json()['id']}/input_items"
+    )
+    ids = [item["id"] for item in listed.json()["data"]]
+    assert ids == ["m3", output_id, "m1"]
+
+
 def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
     kept = client.post("/v1/responses", json=BASE).json()
     assert client.get(f"/v1/responses/{kept['id']}").json()["id"] == kept["id"]

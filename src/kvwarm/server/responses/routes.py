@@ -249,6 +249,12 @@ async def create_response(request: Request) -> Response:
                 param="previous_response_id",
                 code="invalid_value",
             )
+    items: tuple[Json, ...] = ()
+    if req.store:
+        # As OpenAI's: the items used to generate this response, so a follow-up's list holds
+        # the earlier turns too (their inputs and outputs), then its own input.
+        earlier = (*previous.input_items, *_output_items(previous.body)) if previous else ()
+        items = _unique_ids(earlier, responses.input_items(given))
     requested = req.model or (previous.model_id if previous else None)
     model, lora = await state.acquire_generation(requested, keep_alive=req.keep_alive)
     tools = responses.tools(req.tools)
@@ -298,12 +304,6 @@ async def create_response(request: Request) -> Response:
     gen = Generation(request, stream, "responses", model.id, state, watch=watch, user=req.user)
     # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
     shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
-    items: tuple[Json, ...] = ()
-    if req.store:
-        # As OpenAI's: the items used to generate this response, so a follow-up's list holds
-        # the earlier turns too (their inputs and outputs), then its own input.
-        earlier = (*previous.input_items, *_output_items(previous.body)) if previous else ()
-        items = (*earlier, *responses.input_items(given))
     turn = _Turn(history, salt, _owner(request, state.settings), items)
     if req.background:
         return JSONResponse(_start_background(state, gen, plan, shape, turn))
@@ -328,6 +328,27 @@ async def create_response(request: Request) -> Response:
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+def _unique_ids(earlier: tuple[Json, ...], own: list[Json]) -> tuple[Json, ...]:
+    """The items a response lists (``earlier``, then its input's ``own``), each id once, or a
+    400 naming the input item whose id is taken (as OpenAI's: "Duplicate item found"). Found
+    by review: ``input_items`` pages by id, and a cursor naming an id held twice found the
+    first, so paging past it returned the second again, for ever."""
+    seen = {item.get("id") for item in earlier}
+    for at, item in enumerate(own):
+        ident = item.get("id")
+        if ident in seen:
+            raise HTTPError(
+                400,
+                f"Duplicate item found with id {ident!r}: an item of this input, or of the "
+                "conversation it continues (previous_response_id), has it already; remove "
+                "duplicate items from the input",
+                code="invalid_value",
+                param=f"input.{at}.id",
+            )
+        seen.add(ident)
+    return (*earlier, *own)
 
 
 def _start_background(
