@@ -411,3 +411,26 @@ def test_a_kept_prefix_of_a_model_that_is_gone_is_dropped(tmp_path: Path) -> Non
         state._keepalive_tick()
         listed = client.get("/cache/keepalive").json()["data"]
         assert [e["model"] for e in listed] == ["beta"]
+
+
+def test_an_unloaded_models_entries_wait_and_load_nothing(
+    app_clock: tuple[TestClient, Clock],
+) -> None:
+    """Keep-alive never loads a model to re-warm it (that would undo the idle unload and the
+    memory budget): a due entry of an unloaded model is skipped, kept, and no failure; it
+    re-warms once a request has loaded the model again."""
+    client, clock = app_clock
+    assert (
+        client.post("/cache/prewarm", json={"model": "b", "prompt": "kept " * 8}).status_code == 200
+    )
+    assert client.post("/admin/models/unload", json={"model": "b"}).status_code == 200
+    state = client.app.state.kvwarm  # type: ignore[attr-defined]
+    clock.now += 80
+    state._keepalive_tick()
+    assert state.entries["b"].state == "available"
+    (entry,) = state.keepalive.entries()
+    assert (entry.warms, entry.failures) == (1, 0)
+    done = client.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 1})
+    assert done.status_code == 200
+    state._keepalive_tick()
+    assert (entry.warms, entry.failures) == (2, 0)
