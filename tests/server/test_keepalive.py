@@ -14,6 +14,7 @@ from kvwarm.cache.types import TtlClass
 from kvwarm.errors import (
     BackendError,
     ContextOverflowError,
+    EngineClosedError,
     KeepAliveFullError,
     KvwarmError,
     UnknownModelError,
@@ -174,6 +175,35 @@ def test_an_unexpected_error_fails_that_entry_only_and_keeps_the_loop_alive() ->
     assert good.calls == [("q", TtlClass.SHORT, True)]
     (entry,) = [e for e in keep.entries() if e.model_id == "buggy"]
     assert entry.failures == 1 and entry.warms == 1
+
+
+def test_a_model_unloaded_during_its_rewarm_is_not_ready_not_a_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The model was ready when the tick took it, and unloaded (idle, the memory budget, an
+    admin) before its re-warm ran: the re-warm raises ``EngineClosedError``. Found by review:
+    that counted as the entry's failure, a warning and a backoff, though nothing is wrong
+    with the prefix (an unloaded model's entries wait for it to load: skipped, as when the
+    tick finds it unloaded). A model still the ready one that raises it does fail."""
+    clock = Clock()
+    keep = KeepAlive((100.0,) * 3, 0.5, clock, interval_s=10)
+    entry = keep.register("m", "p", TtlClass.SHORT)
+    model = FakeModel(fail=True, error=EngineClosedError("model 'm' is closed"))
+    ready: dict[str, FakeModel] = {"m": model}
+
+    def unloaded_meanwhile(model_id: str) -> FakeModel | None:
+        found = ready.get(model_id)
+        ready.clear()  # the next look finds it unloaded
+        return found
+
+    clock.now += 50
+    with caplog.at_level("WARNING", logger="kvwarm.server.keepalive"):
+        assert keep.tick(unloaded_meanwhile) == 0  # type: ignore[arg-type]
+    assert model.tries == 1 and (entry.failures, entry.failing, entry.retry_at) == (0, 0, 0.0)
+    assert not caplog.records
+    assert [e.id for e in keep.due()] == [entry.id]  # re-warmed once the model is back
+    assert keep.tick({"m": model}.get) == 0  # type: ignore[arg-type]
+    assert entry.failures == 1  # still the ready model: its failure
 
 
 def test_limits_refuse_past_the_entry_and_token_caps_but_not_pinned() -> None:
@@ -381,3 +411,26 @@ def test_a_kept_prefix_of_a_model_that_is_gone_is_dropped(tmp_path: Path) -> Non
         state._keepalive_tick()
         listed = client.get("/cache/keepalive").json()["data"]
         assert [e["model"] for e in listed] == ["beta"]
+
+
+def test_an_unloaded_models_entries_wait_and_load_nothing(
+    app_clock: tuple[TestClient, Clock],
+) -> None:
+    """Keep-alive never loads a model to re-warm it (that would undo the idle unload and the
+    memory budget): a due entry of an unloaded model is skipped, kept, and no failure; it
+    re-warms once a request has loaded the model again."""
+    client, clock = app_clock
+    assert (
+        client.post("/cache/prewarm", json={"model": "b", "prompt": "kept " * 8}).status_code == 200
+    )
+    assert client.post("/admin/models/unload", json={"model": "b"}).status_code == 200
+    state = client.app.state.kvwarm  # type: ignore[attr-defined]
+    clock.now += 80
+    state._keepalive_tick()
+    assert state.entries["b"].state == "available"
+    (entry,) = state.keepalive.entries()
+    assert (entry.warms, entry.failures) == (1, 0)
+    done = client.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 1})
+    assert done.status_code == 200
+    state._keepalive_tick()
+    assert (entry.warms, entry.failures) == (2, 0)

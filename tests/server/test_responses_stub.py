@@ -19,7 +19,7 @@ from kvwarm.server.responses.store import ResponseStore, StoredResponse
 from kvwarm.server.schemas import ChatMessage
 from kvwarm.server.tools import ToolCall
 
-from .conftest import stub_settings, wait_ready
+from .conftest import server_state, stub_settings, wait_ready
 from .test_anthropic_stub import named_events
 from .test_api_stub import assert_error
 
@@ -206,6 +206,79 @@ def test_a_conversation_longer_than_max_chat_messages_is_a_400() -> None:
         assert "max_chat_messages" in over.json()["error"]["message"]
         turns = [{"role": "user", "content": "x"}] * 3
         assert fresh.post("/v1/responses", json={**BASE, "input": turns}).status_code == 200
+
+
+def test_a_follow_up_that_would_outgrow_the_store_is_a_400() -> None:
+    """The store's character bound held between responses, but a response larger than it
+    is kept, and a chain of follow-ups made each turn's larger than the last: every stored
+    response holds its whole conversation and input items, items no prompt holds (a
+    ``reasoning`` item's summary: no context bound) included. Found by review: 8 KB of
+    reasoning per turn grew one stored response past any bound (to max_body_bytes times
+    max_chat_messages / 2: gigabytes). A follow-up that would outgrow the bound is refused;
+    a new conversation is not."""
+    bound = 30_000
+    with TestClient(create_app(stub_settings())) as fresh:
+        wait_ready(fresh.get)
+        store = server_state(fresh).responses = ResponseStore(max_chars=bound)
+        reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r" * 8000}]}
+        body = {
+            **BASE,
+            "max_output_tokens": 2,
+            "input": [reasoning, {"role": "user", "content": "More?"}],
+        }
+        previous = fresh.post("/v1/responses", json=body)
+        for _ in range(8):
+            assert previous.status_code == 200, previous.text
+            follow = fresh.post(
+                "/v1/responses", json={**body, "previous_response_id": previous.json()["id"]}
+            )
+            if follow.status_code != 200:
+                break
+            previous = follow
+        assert_error(follow, 400, "invalid_value", "previous_response_id")
+        assert f"{bound:,}" in follow.json()["error"]["message"]
+        kept = store.get(previous.json()["id"])
+        assert kept is not None and kept.size() <= bound
+        assert fresh.post("/v1/responses", json=body).status_code == 200
+
+
+def test_an_input_item_id_already_among_the_items_is_a_400(client: TestClient) -> None:
+    """``input_items`` pages by item id (``after``/``before``), so the ids of a response's
+    items must be unique. Found by review: an id the client gave twice, or gave again after
+    ``previous_response_id`` (a ``function_call`` item sent back with the id the previous
+    output gave it), was stored twice; a cursor naming it found the first, so paging from
+    one to the next returned the second again for ever (the SDK's auto-paging never ended).
+    Refused as OpenAI's does ("Duplicate item found with id ...")."""
+    first = client.post(
+        "/v1/responses", json={**BASE, "input": [{"role": "user", "content": "Hi.", "id": "m1"}]}
+    )
+    assert first.status_code == 200, first.text
+    again = [{"role": "user", "content": "Hi again.", "id": "m1"}]
+    follow = {**BASE, "input": again, "previous_response_id": first.json()["id"]}
+    assert_error(client.post("/v1/responses", json=follow), 400, "invalid_value", "input.0.id")
+    output_id = first.json()["output"][0]["id"]
+    resent = [{"role": "assistant", "content": "x", "id": output_id}, *again]
+    follow = {**follow, "input": [*resent[:1], {"role": "user", "content": "Go on."}]}
+    assert_error(client.post("/v1/responses", json=follow), 400, "invalid_value", "input.0.id")
+    twice = [
+        {"role": "user", "content": "a", "id": "m2"},
+        {"role": "user", "content": "b", "id": "m2"},
+    ]
+    assert_error(
+        client.post("/v1/responses", json={**BASE, "input": twice}),
+        400,
+        "invalid_value",
+        "input.1.id",
+    )
+    # Not stored, none is listed: the ids are the client's business.
+    unstored = client.post("/v1/responses", json={**BASE, "input": twice, "store": False})
+    assert unstored.status_code == 200, unstored.text
+    fresh = {**follow, "input": [{"role": "user", "content": "New.", "id": "m3"}]}
+    listed = client.get(
+        f"/v1/responses/{client.post('/v1/responses', json=fresh).json()['id']}/input_items"
+    )
+    ids = [item["id"] for item in listed.json()["data"]]
+    assert ids == ["m3", output_id, "m1"]
 
 
 def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:

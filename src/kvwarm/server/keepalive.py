@@ -12,7 +12,9 @@ failure, doubling after each next one, at most the entry's re-warm period: its T
 ``stale_fraction``; a success resets it), so a prefix that keeps failing costs a prefill and a
 warning per period, not per tick. A failure of a permanent kind (``PERMANENT``: the prompt is
 invalid or too long for the model's context, the model no longer exists) drops an unpinned
-entry with one log line; a pinned entry keeps retrying with backoff. An entry re-warms under
+entry with one log line; a pinned entry keeps retrying with backoff. A model unloaded while
+its entry re-warms is no failure: its entries wait for it to load again (none is loaded for
+them). An entry re-warms under
 the cache salt it was prewarmed with, and the same prompt under two salts is two entries
 (``server.tenancy``).
 The clock is injectable so tests drive ``tick`` without waiting.
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import (
+    EngineClosedError,
     InvalidRequestError,
     KeepAliveFullError,
     KvwarmError,
@@ -339,6 +342,11 @@ class KeepAlive:
             try:
                 entry.warm(model.prewarm, model.prewarm_chat)
             except KvwarmError as exc:
+                if isinstance(exc, EngineClosedError) and _unloaded(resolve, entry, model):
+                    # Found by review: a model unloaded (idle, the budget, an admin) between
+                    # the look above and the re-warm made that the entry's failure, a
+                    # warning and a backoff; its entries wait for it, as when found unloaded.
+                    continue
                 self._failed(entry, exc)
                 continue
             except Exception as exc:  # a bug: this entry's failure, never the loop's end
@@ -352,6 +360,16 @@ class KeepAlive:
         if done:
             log.info("keep-alive re-warmed %d prefix(es)", done)
         return done
+
+
+def _unloaded(
+    resolve: Callable[[str], ServedModel | None], entry: Prewarmed, model: ServedModel
+) -> bool:
+    """Whether ``model``, which ``resolve`` gave for ``entry``, is no longer the ready one."""
+    try:
+        return resolve(entry.model_id) is not model
+    except KvwarmError:  # gone altogether: the next tick drops the entry
+        return True
 
 
 def _key_prompt(prompt: str | Sequence[int] | ChatPrefix) -> Prompt:

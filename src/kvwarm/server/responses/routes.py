@@ -26,6 +26,7 @@ other response it is a 400. A failed or cancelled response cannot be continued
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -169,6 +170,7 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request, state.settings)
     check_count(body, "input", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, ResponsesRequest)
+    given = body.get("input") if isinstance(body, dict) else None
     for field, instead in (("conversation", "previous_response_id"), ("prompt", "instructions")):
         if getattr(req, field) is not None:
             raise HTTPError(
@@ -232,6 +234,27 @@ async def create_response(request: Request) -> Response:
             param="previous_response_id",
             code="invalid_value",
         )
+    if previous is not None and req.store:
+        # Found by review: the store keeps a response larger than its bound (a client's one
+        # big request), and each follow-up's holds its whole conversation and input items,
+        # some in no prompt (a reasoning item's summary: no context bound), so a chain grew
+        # one stored response past any bound, max_body_bytes a turn.
+        grown = state.responses.chars(previous) + 2 * len(json.dumps(given))
+        if grown > state.responses.max_chars:
+            raise HTTPError(
+                400,
+                f"the conversation with previous_response_id's would hold about {grown:,} "
+                "characters, more than this server's response store keeps "
+                f"({state.responses.max_chars:,}); start a new conversation",
+                param="previous_response_id",
+                code="invalid_value",
+            )
+    items: tuple[Json, ...] = ()
+    if req.store:
+        # As OpenAI's: the items used to generate this response, so a follow-up's list holds
+        # the earlier turns too (their inputs and outputs), then its own input.
+        earlier = (*previous.input_items, *_output_items(previous.body)) if previous else ()
+        items = _unique_ids(earlier, responses.input_items(given))
     requested = req.model or (previous.model_id if previous else None)
     model, lora = await state.acquire_generation(requested, keep_alive=req.keep_alive)
     tools = responses.tools(req.tools)
@@ -281,13 +304,6 @@ async def create_response(request: Request) -> Response:
     gen = Generation(request, stream, "responses", model.id, state, watch=watch, user=req.user)
     # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
     shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
-    given = body.get("input") if isinstance(body, dict) else None
-    items: tuple[Json, ...] = ()
-    if req.store:
-        # As OpenAI's: the items used to generate this response, so a follow-up's list holds
-        # the earlier turns too (their inputs and outputs), then its own input.
-        earlier = (*previous.input_items, *_output_items(previous.body)) if previous else ()
-        items = (*earlier, *responses.input_items(given))
     turn = _Turn(history, salt, _owner(request, state.settings), items)
     if req.background:
         return JSONResponse(_start_background(state, gen, plan, shape, turn))
@@ -312,6 +328,27 @@ async def create_response(request: Request) -> Response:
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+def _unique_ids(earlier: tuple[Json, ...], own: list[Json]) -> tuple[Json, ...]:
+    """The items a response lists (``earlier``, then its input's ``own``), each id once, or a
+    400 naming the input item whose id is taken (as OpenAI's: "Duplicate item found"). Found
+    by review: ``input_items`` pages by id, and a cursor naming an id held twice found the
+    first, so paging past it returned the second again, for ever."""
+    seen = {item.get("id") for item in earlier}
+    for at, item in enumerate(own):
+        ident = item.get("id")
+        if ident in seen:
+            raise HTTPError(
+                400,
+                f"Duplicate item found with id {ident!r}: an item of this input, or of the "
+                "conversation it continues (previous_response_id), has it already; remove "
+                "duplicate items from the input",
+                code="invalid_value",
+                param=f"input.{at}.id",
+            )
+        seen.add(ident)
+    return (*earlier, *own)
 
 
 def _start_background(

@@ -10,6 +10,9 @@ tenant, never another's below that: each of ``t`` tenants keeps its ``1/t`` shar
 recent responses, whatever the others send (a response larger than the bound by itself
 included: it stays, alone over the bound, until the next put),
 while a store one tenant uses alone (no keys: every owner is None) is one LRU, as before.
+A response over the bound is one request's (the body's bound is far below the store's): a
+follow-up whose conversation would outgrow the bound is refused (``routes``), so no chain
+grows one response past it turn by turn.
 A tenant is a key (``cache_salt_from_auth``), so this holds between keys a gateway issues;
 a client free to present made-up keys is as many tenants as it likes.
 
@@ -112,6 +115,14 @@ class ResponseStore:
         with self._lock:
             tenant = self._tenants.get(owner)
             return (0, 0) if tenant is None else (len(tenant.ids), tenant.chars)
+
+    def chars(self, item: StoredResponse) -> int:
+        """The characters ``item`` counts for here: as counted when it was put (its ``size``
+        measured again only if it is no longer held)."""
+        with self._lock:
+            tenant = self._tenants.get(item.owner)
+            size = None if tenant is None else tenant.ids.get(item.id)
+        return item.size() if size is None else size
 
     def put(self, item: StoredResponse) -> None:
         size = item.size()
