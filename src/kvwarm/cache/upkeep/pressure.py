@@ -108,7 +108,11 @@ def _inactive_file(stat: Path) -> int:
 def _own_cgroup_files(root: Path, proc_cgroup: str | None = None) -> tuple[Path, Path] | None:
     """This process's cgroup memory limit and usage files: its cgroup v2 directory (``0::/path``
     in /proc/self/cgroup), else its v1 memory controller's (``N:memory:/path``, found by review:
-    a v1 container's limit was never watched), else ``root``'s v2 files; None if none exist."""
+    a v1 container's limit was never watched), else those at the mount roots, ``root``'s v2
+    files and ``root/memory``'s v1 ones; None if none exist. A container without a cgroup
+    namespace (Docker on a v1 host) sees its cgroup's host path in /proc/self/cgroup but has
+    that cgroup itself mounted at the root, where the host path does not exist (found by
+    review: such a container's limit was never watched)."""
     if proc_cgroup is None:
         try:
             proc_cgroup = Path("/proc/self/cgroup").read_text()
@@ -125,6 +129,8 @@ def _own_cgroup_files(root: Path, proc_cgroup: str | None = None) -> tuple[Path,
         elif "memory" in parts[1].split(","):
             candidates.append((root / "memory" / parts[2].lstrip("/"), _V1_FILES))
     candidates.append((root, _V2_FILES))
+    if any(files == _V1_FILES for _, files in candidates):
+        candidates.append((root / "memory", _V1_FILES))
     for directory, (limit, usage) in candidates:
         if (directory / limit).exists():
             return directory / limit, directory / usage
