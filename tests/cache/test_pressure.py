@@ -279,3 +279,25 @@ def test_a_cgroup_mounted_at_its_own_root_is_found(tmp_path: Path) -> None:
     own.mkdir(parents=True)
     (own / "memory.limit_in_bytes").write_text("500\n")
     assert _own_cgroup_files(tmp_path, proc)[0] == own / "memory.limit_in_bytes"  # type: ignore[index]
+
+
+def test_pressure_the_cache_cannot_relieve_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: under pressure the cache does not cause (a model's weights), once
+    nothing is left to evict every tick logged "asked for N bytes, freed 0" at INFO, every
+    interval (5 s) for as long as it lasted. The first such tick says so; the next ones are
+    DEBUG until a tick frees something again."""
+    freed = [0]
+
+    def evict(n: int, tiers: Sequence[TierName]) -> EvictResult:
+        return EvictResult(1 if freed[0] else 0, freed[0])
+
+    s = PressureScheduler(CFG, CallableSource(lambda: (90, 100)), evict)
+    caplog.set_level(logging.DEBUG, logger="kvwarm.cache.upkeep.pressure")
+    for _ in range(3):
+        s.tick()
+    freed[0] = 10
+    s.tick()
+    freed[0] = 0
+    s.tick()
+    levels = [r.levelno for r in caplog.records if "memory pressure" in r.getMessage()]
+    assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO, logging.INFO]

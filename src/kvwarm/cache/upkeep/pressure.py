@@ -296,6 +296,7 @@ class PressureScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last: TickResult | None = None
+        self._idle = False  # the last eviction freed nothing
 
     def tick(self) -> TickResult:
         """Sample once and evict if needed. Exceptions propagate (the thread logs them)."""
@@ -306,14 +307,21 @@ class PressureScheduler:
             target = used - int(self._cfg.low_watermark * total)
             requested = max(target, self._cfg.min_evict_bytes)
             evicted = self._evict(requested, self._cfg.evict_tiers)
-            log.info(
-                "memory pressure %.2f >= %.2f: asked for %d bytes, freed %d in %d rows",
+            # A tick that frees nothing after one that did not either is DEBUG (found by
+            # review: pressure the cache does not cause, a model's weights, logged this at
+            # INFO every interval for as long as it lasted, with nothing left to evict).
+            idle = not evicted.bytes and not evicted.rows
+            log.log(
+                logging.DEBUG if idle and self._idle else logging.INFO,
+                "memory pressure %.2f >= %.2f: asked for %d bytes, freed %d in %d rows%s",
                 used / total,
                 self._cfg.high_watermark,
                 requested,
                 evicted.bytes,
                 evicted.rows,
+                " (nothing evictable is left; said again once a tick frees some)" if idle else "",
             )
+            self._idle = idle
         result = TickResult(used, total, requested, evicted)
         self.last = result
         return result
