@@ -256,3 +256,48 @@ def test_a_cgroups_reclaimable_page_cache_is_not_pressure(
     assert SystemMemorySource(cgroup_dir=tmp_path).sample() == (950, 1000)
     (tmp_path / "memory.stat").unlink()
     assert SystemMemorySource(cgroup_dir=tmp_path).sample() == (950, 1000)
+
+
+def test_a_cgroup_mounted_at_its_own_root_is_found(tmp_path: Path) -> None:
+    """Docker on a cgroup v1 host (no cgroup namespace) lists the container's memory cgroup
+    by its host path (``4:memory:/docker/<id>``) yet mounts that cgroup itself at
+    /sys/fs/cgroup/memory, so the host path below the mount does not exist there. Found by
+    review: only that path and the v2 root were tried, so such a container's limit was never
+    watched (the machine's memory was, which the container cannot have). The controller's
+    mount root is the next candidate, as the v2 root already was."""
+    from kvwarm.cache.upkeep.pressure import _own_cgroup_files
+
+    mount = tmp_path / "memory"
+    mount.mkdir()
+    (mount / "memory.limit_in_bytes").write_text("1000\n")
+    (mount / "memory.usage_in_bytes").write_text("950\n")
+    proc = "9:name=systemd:/docker/abc\n4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n"
+    files = _own_cgroup_files(tmp_path, proc)
+    assert files == (mount / "memory.limit_in_bytes", mount / "memory.usage_in_bytes")
+    # The process's own directory, where it exists, still comes first.
+    own = mount / "docker" / "abc"
+    own.mkdir(parents=True)
+    (own / "memory.limit_in_bytes").write_text("500\n")
+    assert _own_cgroup_files(tmp_path, proc)[0] == own / "memory.limit_in_bytes"  # type: ignore[index]
+
+
+def test_pressure_the_cache_cannot_relieve_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: under pressure the cache does not cause (a model's weights), once
+    nothing is left to evict every tick logged "asked for N bytes, freed 0" at INFO, every
+    interval (5 s) for as long as it lasted. The first such tick says so; the next ones are
+    DEBUG until a tick frees something again."""
+    freed = [0]
+
+    def evict(n: int, tiers: Sequence[TierName]) -> EvictResult:
+        return EvictResult(1 if freed[0] else 0, freed[0])
+
+    s = PressureScheduler(CFG, CallableSource(lambda: (90, 100)), evict)
+    caplog.set_level(logging.DEBUG, logger="kvwarm.cache.upkeep.pressure")
+    for _ in range(3):
+        s.tick()
+    freed[0] = 10
+    s.tick()
+    freed[0] = 0
+    s.tick()
+    levels = [r.levelno for r in caplog.records if "memory pressure" in r.getMessage()]
+    assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO, logging.INFO]

@@ -3,6 +3,7 @@ checked after it is stored, so saves in flight together cannot overshoot it (iss
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from tests.cache.facadekit import req
@@ -31,7 +32,7 @@ class ParkedRam(RamTier):
 
     def resident(self) -> int:
         with self._lock:
-            return sum(len(e.payload) for e in self._rows.values())
+            return sum(len(e.payload) + len(e.logits or b"") for e in self._rows.values())
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
         if not self.publish_first:
@@ -127,3 +128,41 @@ def test_room_comes_from_evicting_rows_no_save_holds() -> None:
             # A checked-out row cannot be evicted: a save needing its room is dropped.
             assert cache.save(req(tuple(range(900, 920)), 700), sync=True) is None
         assert cache.save(req(tuple(range(900, 920)), 700), sync=True)
+
+
+def test_a_rows_logits_count_against_the_ram_tiers_quota() -> None:
+    """Found by review: a ram row's size was its payload alone, yet the tier holds its logits
+    too (a finish or cold save's, ``n_vocab`` float32s: 1 MiB a row for Gemma 3's 262k
+    vocabulary), so a ram tier under its quota, and the memory budget that sized it, held
+    any number of them uncounted. They count now, as a manifest's did."""
+    logits = b"\x00\x00\x80\x3f" * 100  # 400 bytes
+    with Cache(CacheConfig(tiers=(TierConfig("ram", QUOTA),)), background=False) as c:
+        for i in range(5):
+            r = dataclasses.replace(req((i + 1,) * 3, 100), logits=logits)
+            assert c.save(r, sync=True) is not None
+        rows = c.rows()
+        size = 100 + len(logits)
+        assert all(row.size == size for row in rows)
+        assert len(rows) * size <= QUOTA  # what the tier holds, within its quota
+        assert c.counters()["tier_ram_bytes"] == len(rows) * size
+
+
+def test_saves_in_flight_hold_room_for_their_logits() -> None:
+    """The room a save holds counts its logits too: held for its payload alone, four saves
+    in flight whose rows are 400 bytes each (100 of KV, 300 of logits) all fit in 1,000
+    bytes, and 1,600 were stored."""
+    tier = ParkedRam(publish_first=False)
+    config = CacheConfig(tiers=(TierConfig("ram", QUOTA),), writer_threads=4)
+    logits = b"\x00\x00\x80\x3f" * 75  # 300 bytes
+    with Cache(config, tiers=[tier], background=False) as cache:
+        refused = counting_refusals(cache, tier)
+        saves = [req(tuple(range(i * 50, i * 50 + 20)), 100) for i in range(4)]
+        keys = [cache.save(dataclasses.replace(r, logits=logits)) for r in saves]
+        assert all(keys)
+        with tier.changed:
+            assert tier.changed.wait_for(lambda: tier.parked + len(refused) == 4, timeout=30)
+        tier.gate.set()
+        assert cache.flush(30)
+        assert tier.peak <= QUOTA
+        assert tier.parked == 2 and refused == [400, 400]
+        assert cache.counters()["tier_ram_bytes"] <= QUOTA

@@ -64,8 +64,10 @@ def test_store_then_load_round_trip(make: TierFactory) -> None:
     assert not book.reservations
     assert book.calls[0] == "reserve" and book.calls[-1] == "publish" and "check" in book.calls
     info = row.info
-    size = len(req.payload)  # the ram tier's own bytes; a file's or object's: all of it
-    if tier.name != "ram":
+    size = len(req.payload)  # the ram tier's own bytes, with its logits
+    if tier.name == "ram":
+        size += len(logits)
+    else:  # a file's or object's: all of it
         size += len(kvc.build_prefix(kvc.fields_from_request(req, now=0), req.payload))
     assert (info.key, info.tier, info.size, info.n_tokens) == (key, tier.name, size, 4)
     assert (info.reason, info.ttl_class, info.has_logits) == (

@@ -779,7 +779,7 @@ def _store_whole(
         _check_fits(tier, key, request, memoryview(request.payload).nbytes, limit)
     if hold is None:
         return tier.store(key, _whole(request), index)
-    room = hold(memoryview(request.payload).nbytes)
+    room = hold(memoryview(request.payload).nbytes + len(request.logits or b""))
     try:
         return tier.store(key, _whole(request), index.held(room))
     finally:

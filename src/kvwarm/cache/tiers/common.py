@@ -191,14 +191,19 @@ def row_info(
 ) -> RowInfo:
     """``RowInfo`` for a row with these recorded fields (file times are whole seconds). Its
     size is ``stored_bytes``, the whole file or object (prefix and payload) where there is
-    one; else (the ram tier) its payload plus its metadata (tokens, chunk list, logits). A
-    manifest's chunks are not in it: they count once per tier in the index."""
+    one; else (the ram tier) its payload plus its logits, and a manifest's tokens and chunk
+    list. A manifest's chunks are not in it: they count once per tier in the index."""
     if stored_bytes is not None:
         payload_len = stored_bytes
     elif fields.chunks:
         rest = fields.rest_chunks
         n_chunks = len(fields.chunks) + (0 if rest is None else len(rest.keys))
         payload_len += 4 * len(fields.tokens) + 36 * n_chunks + len(fields.logits or b"")
+    else:
+        # A whole row's logits too (found by review: only a manifest's were counted, so a
+        # ram tier of whole rows held theirs, 1 MiB a row for a 262k vocabulary, uncounted
+        # against its quota and the memory budget that sized it).
+        payload_len += len(fields.logits or b"")
     return RowInfo(
         key=key,
         tier=tier,

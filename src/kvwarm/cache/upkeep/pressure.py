@@ -108,7 +108,11 @@ def _inactive_file(stat: Path) -> int:
 def _own_cgroup_files(root: Path, proc_cgroup: str | None = None) -> tuple[Path, Path] | None:
     """This process's cgroup memory limit and usage files: its cgroup v2 directory (``0::/path``
     in /proc/self/cgroup), else its v1 memory controller's (``N:memory:/path``, found by review:
-    a v1 container's limit was never watched), else ``root``'s v2 files; None if none exist."""
+    a v1 container's limit was never watched), else those at the mount roots, ``root``'s v2
+    files and ``root/memory``'s v1 ones; None if none exist. A container without a cgroup
+    namespace (Docker on a v1 host) sees its cgroup's host path in /proc/self/cgroup but has
+    that cgroup itself mounted at the root, where the host path does not exist (found by
+    review: such a container's limit was never watched)."""
     if proc_cgroup is None:
         try:
             proc_cgroup = Path("/proc/self/cgroup").read_text()
@@ -125,6 +129,8 @@ def _own_cgroup_files(root: Path, proc_cgroup: str | None = None) -> tuple[Path,
         elif "memory" in parts[1].split(","):
             candidates.append((root / "memory" / parts[2].lstrip("/"), _V1_FILES))
     candidates.append((root, _V2_FILES))
+    if any(files == _V1_FILES for _, files in candidates):
+        candidates.append((root / "memory", _V1_FILES))
     for directory, (limit, usage) in candidates:
         if (directory / limit).exists():
             return directory / limit, directory / usage
@@ -290,6 +296,7 @@ class PressureScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last: TickResult | None = None
+        self._idle = False  # the last eviction freed nothing
 
     def tick(self) -> TickResult:
         """Sample once and evict if needed. Exceptions propagate (the thread logs them)."""
@@ -300,14 +307,21 @@ class PressureScheduler:
             target = used - int(self._cfg.low_watermark * total)
             requested = max(target, self._cfg.min_evict_bytes)
             evicted = self._evict(requested, self._cfg.evict_tiers)
-            log.info(
-                "memory pressure %.2f >= %.2f: asked for %d bytes, freed %d in %d rows",
+            # A tick that frees nothing after one that did not either is DEBUG (found by
+            # review: pressure the cache does not cause, a model's weights, logged this at
+            # INFO every interval for as long as it lasted, with nothing left to evict).
+            idle = not evicted.bytes and not evicted.rows
+            log.log(
+                logging.DEBUG if idle and self._idle else logging.INFO,
+                "memory pressure %.2f >= %.2f: asked for %d bytes, freed %d in %d rows%s",
                 used / total,
                 self._cfg.high_watermark,
                 requested,
                 evicted.bytes,
                 evicted.rows,
+                " (nothing evictable is left; said again once a tick frees some)" if idle else "",
             )
+            self._idle = idle
         result = TickResult(used, total, requested, evicted)
         self.last = result
         return result

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from kvwarm.cache.api import VerifyReport
 from kvwarm.cache.index.index import Orphan
@@ -323,15 +324,40 @@ class CacheUpkeep:
 
     def sweep(self) -> None:
         """One sweeper pass: TTL + reservations, hit persistence, rescan of shared tiers, and
-        (when due) the chunk sweep of local directories other processes use."""
-        self.gc()
-        self.persist_hits()
-        self.rescan()
-        self._sweeper.sweep_local()
+        (when due) the chunk sweep of local directories other processes use. A step that
+        fails skips none of the others; the first failure is raised once all have run (found
+        by review: a step that kept failing skipped the rest on every pass, so the chunks of
+        a directory other processes share were never swept), a later one's is logged."""
+        steps: tuple[tuple[str, Callable[[], object]], ...] = (
+            ("the TTL sweep", self.gc),
+            ("hit persistence", self.persist_hits),
+            ("the rescan", self.rescan),
+            ("the chunk sweep", self._sweeper.sweep_local),
+        )
+        failed: Exception | None = None
+        for name, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                if failed is None:
+                    failed = exc
+                else:
+                    log.warning("cache sweep: %s failed too: %r", name, exc)
+        if failed is not None:
+            raise failed
 
     def sweep_loop(self) -> None:
+        failing = False
         while not self._stop.wait(self._sweep_interval_s):
             try:
                 self.sweep()
             except Exception:
-                log.exception("cache sweep failed; retrying next interval")
+                # The first failure of a run with its traceback, the others at DEBUG (as the
+                # pressure scheduler's): one that stays broken wrote a traceback every pass.
+                level = logging.DEBUG if failing else logging.ERROR
+                log.log(level, "cache sweep failed; retrying next interval", exc_info=True)
+                failing = True
+            else:
+                if failing:
+                    log.warning("cache sweeps succeed again")
+                failing = False
