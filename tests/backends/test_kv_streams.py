@@ -163,10 +163,16 @@ def test_a_deterministic_engine_context_uses_streams() -> None:
         det = eng.load_model(
             config=ModelConfig(context=ctx, n_parallel=2, deterministic=True), model_id="det"
         )
+        one = eng.load_model(
+            config=ModelConfig(context=ctx, n_parallel=1, deterministic=True), model_id="one"
+        )
         plain = eng.load_model(config=ModelConfig(context=ctx, n_parallel=2), model_id="plain")
         assert det._ctx.params.kv_unified is False  # two slots
-        assert plain._ctx.params.kv_unified is True
-        assert det.namespace() == plain.namespace()  # the same rows serve both
+        assert one._ctx.params.kv_unified is True and plain._ctx.params.kv_unified is True
+        assert det.namespace() == one.namespace()  # the same rows serve streams and one buffer
+        # A deterministic model's keys name its threads (``LlamaModel.kv_tag``): a plain
+        # model's rows, whose keys do not, may be another thread count's bits.
+        assert det.namespace() != plain.namespace()
     finally:
         eng.close()
 

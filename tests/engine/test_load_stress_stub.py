@@ -83,9 +83,11 @@ def test_random_submits_cancels_and_evictions_keep_the_worker_consistent(seed: i
 
 
 def _check_bytes(eng: Any) -> None:
-    """What the index counts for the RAM tier is what the tier holds, within its quota."""
+    """What the index counts for the RAM tier is what the tier holds (whole rows here: each
+    one's payload and logits), within its quota."""
     tier = eng.cache._core.tiers["ram"]
-    stored = sum(memoryview(e.payload).nbytes for e in tier._rows.values())
+    assert not any(e.row.chunks for e in tier._rows.values())
+    stored = sum(memoryview(e.payload).nbytes + len(e.logits or b"") for e in tier._rows.values())
     stored += sum(memoryview(h).nbytes for h in tier._chunks.values())
     used, rows = eng.cache._index.usage().get("ram", (0, 0))
     assert (used, rows) == (stored, len(tier._rows))
