@@ -66,9 +66,17 @@ def test_chunked_mode_rejects_a_non_gguf_file(tmp_path: Path) -> None:
 def test_a_split_model_is_every_parts_content(tmp_path: Path, mode: FingerprintMode) -> None:
     """Found by review: only the first part was hashed, so two models whose first parts are
     alike (the tokenizer and the first tensors of one base) shared a cache key."""
-    from tests.tinymodels import write_reranker
-
     from kvwarm.engine.fingerprint import model_fingerprint
+
+    mine, other, single = _split_alike_first(tmp_path)
+    assert model_fingerprint(mine, mode, None) != model_fingerprint(other, mode, None)
+    assert model_fingerprint(single, mode, None) == fingerprint(single, mode)
+
+
+def _split_alike_first(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The first parts of two models split in 9 whose first parts are the same file and whose
+    other parts differ, and a model in one file (which keeps its key)."""
+    from tests.tinymodels import write_reranker
 
     mine, other = tmp_path / "mine", tmp_path / "other"
     for directory, seed in ((mine, 7), (other, 8)):
@@ -79,13 +87,9 @@ def test_a_split_model_is_every_parts_content(tmp_path: Path, mode: FingerprintM
     first = "m-00001-of-00009.gguf"
     assert (mine / "m-00009-of-00009.gguf").is_file()
     shutil.copyfile(mine / first, other / first)  # the same first part, other weights after it
-    assert model_fingerprint(mine / first, mode, None) != model_fingerprint(
-        other / first, mode, None
-    )
-    # A model in one file keeps its key.
     single = tmp_path / "single.gguf"
     write_reranker(single, "decoder", template=None)
-    assert model_fingerprint(single, mode, None) == fingerprint(single, mode)
+    return mine / first, other / first, single
 
 
 def test_a_file_replaced_after_it_was_hashed_is_not_loaded_under_its_old_key(
@@ -180,19 +184,8 @@ def test_a_split_draft_model_is_every_parts_content(tmp_path: Path, mode: Finger
     """A draft model's key is its file's as a model's is (found by review: only a split draft
     model's first part was hashed, so draft models whose first parts are alike restored each
     other's draft rows)."""
-    from tests.tinymodels import write_reranker
-
     from kvwarm.engine.fingerprint import companion_fingerprint
 
-    mine, other = tmp_path / "mine", tmp_path / "other"
-    for directory, seed in ((mine, 7), (other, 8)):
-        directory.mkdir()
-        write_reranker(
-            directory / "m.gguf", "decoder", template=None, seed=seed, split_max_tensors=3
-        )
-    first = "m-00001-of-00009.gguf"
-    shutil.copyfile(mine / first, other / first)  # the same first part, other weights after it
-    assert companion_fingerprint(mine / first, mode) != companion_fingerprint(other / first, mode)
-    single = tmp_path / "single.gguf"
-    write_reranker(single, "decoder", template=None)
+    mine, other, single = _split_alike_first(tmp_path)
+    assert companion_fingerprint(mine, mode) != companion_fingerprint(other, mode)
     assert companion_fingerprint(single, mode) == fingerprint(single, FingerprintMode.SAFE)

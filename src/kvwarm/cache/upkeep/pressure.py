@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from kvwarm.cache.types import EvictResult, PressureConfig, TierName
+from kvwarm.cache.upkeep.periodic import run_every
 from kvwarm.errors import ConfigError
 
 __all__ = [
@@ -333,22 +334,7 @@ class PressureScheduler:
         self._thread.start()
 
     def _run(self) -> None:
-        interval = self._cfg.interval_ms / 1000.0
-        failing = False
-        while not self._stop.wait(interval):
-            try:
-                self.tick()
-            except Exception:
-                # The first failure of a run with its traceback, the others at DEBUG (found
-                # by review: a source that stays broken, NVML after a driver reset, logged a
-                # traceback every interval for as long as the process ran).
-                level = logging.DEBUG if failing else logging.ERROR
-                log.log(level, "pressure tick failed; retrying each interval", exc_info=True)
-                failing = True
-            else:
-                if failing:
-                    log.warning("pressure ticks succeed again")
-                failing = False
+        run_every(self._stop, self._cfg.interval_ms / 1000.0, self.tick, "pressure tick", log)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

@@ -43,6 +43,7 @@ from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
 from kvwarm.cache.store.chunking import chunk_reads
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import EvictResult
+from kvwarm.cache.upkeep.periodic import run_every
 from kvwarm.cache.upkeep.sharedgc import SharedSweep
 from kvwarm.errors import (
     CacheError,
@@ -347,17 +348,4 @@ class CacheUpkeep:
             raise failed
 
     def sweep_loop(self) -> None:
-        failing = False
-        while not self._stop.wait(self._sweep_interval_s):
-            try:
-                self.sweep()
-            except Exception:
-                # The first failure of a run with its traceback, the others at DEBUG (as the
-                # pressure scheduler's): one that stays broken wrote a traceback every pass.
-                level = logging.DEBUG if failing else logging.ERROR
-                log.log(level, "cache sweep failed; retrying next interval", exc_info=True)
-                failing = True
-            else:
-                if failing:
-                    log.warning("cache sweeps succeed again")
-                failing = False
+        run_every(self._stop, self._sweep_interval_s, self.sweep, "cache sweep", log)
