@@ -292,10 +292,7 @@ def test_a_running_request_keeps_the_scales_it_began_under(
     held, by an event, while the scales change."""
     from kvwarm.backends.stub.context import StubContext
 
-    prompt = PROMPT + " (in flight)"
-    pirate = _text(_complete(client, prompt + " ref", model="pirate"))
-    sql = _text(_complete(client, prompt + " ref", model="sql"))
-    assert pirate != sql
+    prompt = "In flight: " + PROMPT  # a prefix of its own: no other test's rows match it
     entered, release = threading.Event(), threading.Event()
     decode = StubContext._decode
 
@@ -308,7 +305,7 @@ def test_a_running_request_keeps_the_scales_it_began_under(
     try:
         assert client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}]).status_code == 200
         monkeypatch.setattr(StubContext, "_decode", held)
-        runner = threading.Thread(target=lambda: replies.append(_complete(client, prompt + " ref")))
+        runner = threading.Thread(target=lambda: replies.append(_complete(client, prompt)))
         runner.start()
         assert entered.wait(30)
         assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
@@ -316,9 +313,13 @@ def test_a_running_request_keeps_the_scales_it_began_under(
         release.set()
         runner.join(30)
         assert not runner.is_alive() and len(replies) == 1
-        assert _text(replies[0]) == pirate
+        # Its row is the pirate set's: restored for that set, with the text it gave.
+        pirate = _complete(client, prompt, model="pirate")
+        assert _cached(pirate) > 0 and _text(pirate) == _text(replies[0])
         # The new scales run the other set, from no row of the old one.
-        assert _text(_complete(client, prompt + " ref")) == sql
+        sql = _complete(client, prompt)
+        assert _cached(sql) < _cached(pirate) and _text(sql) != _text(pirate)
+        assert _text(sql) == _text(_complete(client, prompt, model="sql"))
     finally:
         release.set()
         assert client.post("/lora-adapters", json=[]).status_code == 200
