@@ -7,6 +7,7 @@ pass runs under, so a request run under the wrong set gives other text.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,3 +281,45 @@ def test_setting_scales_needs_the_admin_key_and_a_trusted_page(adapters: tuple[P
         assert c.get("/lora-adapters", headers=user).json()[0]["scale"] == 0.0
         assert c.post("/lora-adapters", json=[{"id": 0, "scale": 1}], headers=admin).is_success
         assert c.get("/lora-adapters", headers=user).json()[0]["scale"] == 1.0
+
+
+def test_a_running_request_keeps_the_scales_it_began_under(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POST /lora-adapters`` while a request of the global scales runs: the request ends
+    under the set it was admitted with (its text that set's), and its row lands in that set's
+    namespace (restored for that set alone, never for the new one's). The stub's decode is
+    held, by an event, while the scales change."""
+    from kvwarm.backends.stub.context import StubContext
+
+    prompt = "In flight: " + PROMPT  # a prefix of its own: no other test's rows match it
+    entered, release = threading.Event(), threading.Event()
+    decode = StubContext._decode
+
+    def held(self: StubContext, batch: object) -> None:
+        entered.set()
+        assert release.wait(30)
+        decode(self, batch)  # type: ignore[arg-type]
+
+    replies: list[dict[str, object]] = []
+    try:
+        assert client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}]).status_code == 200
+        monkeypatch.setattr(StubContext, "_decode", held)
+        runner = threading.Thread(target=lambda: replies.append(_complete(client, prompt)))
+        runner.start()
+        assert entered.wait(30)
+        assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
+        monkeypatch.setattr(StubContext, "_decode", decode)
+        release.set()
+        runner.join(30)
+        assert not runner.is_alive() and len(replies) == 1
+        # Its row is the pirate set's: restored for that set, with the text it gave.
+        pirate = _complete(client, prompt, model="pirate")
+        assert _cached(pirate) > 0 and _text(pirate) == _text(replies[0])
+        # The new scales run the other set, from no row of the old one.
+        sql = _complete(client, prompt)
+        assert _cached(sql) < _cached(pirate) and _text(sql) != _text(pirate)
+        assert _text(sql) == _text(_complete(client, prompt, model="sql"))
+    finally:
+        release.set()
+        assert client.post("/lora-adapters", json=[]).status_code == 200
