@@ -108,7 +108,9 @@ class LoraTable:
                     code="invalid_value",
                 )
             return None
-        if items:
+        if items is not None:
+            # Exactly the adapters listed, an empty list none (found by review: ``[]`` ran
+            # under the global scales, where the docs and llama-server turn every one off).
             scales = self._scales_of(model.id, items, param="lora")
             if named is not None:
                 scales.setdefault(named.id, 1.0)
