@@ -73,7 +73,7 @@ def test_global_scales_and_the_listing(http: httpx.Client, lora_path: Path) -> N
     models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert models["tiny"]["parent"] == BASE
     tiny, _ = _complete(http, model="tiny")
-    base, _ = _complete(http, lora=[])  # an empty list: the global scales (all 0)
+    base, _ = _complete(http, lora=[])  # an empty list: no adapter (the global scales are 0)
     try:
         assert http.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
         assert _complete(http)[0] == tiny
