@@ -299,6 +299,22 @@ class LlamaFields(LineStops):
     n_probs: JsonInt = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
     response_fields: list[str] | None = Field(default=None, max_length=256)
+    # Refused unless "off" (llama-server's defaults): kvwarm has no such sampler or control
+    # (``completions.refuse_unsupported``). Found by review: declared on /completion only, so
+    # /infill dropped them silently (a mirostat or DRY request sampled without either).
+    id_slot: JsonInt = -1
+    cache_prompt: bool = True
+    mirostat: JsonInt = 0
+    dry_multiplier: StrictNumber = 0.0
+    xtc_probability: StrictNumber = 0.0
+    top_n_sigma: StrictNumber = -1.0
+    dynatemp_range: StrictNumber = 0.0
+    repeat_last_n: JsonInt = 64
+    min_keep: JsonInt = 0
+    samplers: str | list[str] | None = None
+    timings_per_token: bool = False
+    return_progress: bool = False
+    post_sampling_probs: bool = False
 
 
 class InfillRequest(LlamaFields):
@@ -321,20 +337,6 @@ class LlamaCompletionRequest(LlamaFields):
     # llama-server's name for n: choices per prompt.
     n: JsonInt = Field(default=1, ge=1, le=64, validation_alias=AliasChoices("n", "n_cmpl"))
     json_schema: dict[str, object] | None = None
-    # Refused unless "off" (llama-server's defaults): kvwarm has no such sampler or control.
-    id_slot: JsonInt = -1
-    cache_prompt: bool = True
-    mirostat: JsonInt = 0
-    dry_multiplier: StrictNumber = 0.0
-    xtc_probability: StrictNumber = 0.0
-    top_n_sigma: StrictNumber = -1.0
-    dynatemp_range: StrictNumber = 0.0
-    repeat_last_n: JsonInt = 64
-    min_keep: JsonInt = 0
-    samplers: str | list[str] | None = None
-    timings_per_token: bool = False
-    return_progress: bool = False
-    post_sampling_probs: bool = False
 
 
 class ImageUrl(_Body):

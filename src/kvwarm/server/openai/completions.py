@@ -366,6 +366,7 @@ async def infill(request: Request) -> Response:
     ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), InfillRequest)
+    refuse_unsupported(req, _INFILL_IGNORES)
     model, lora = await state.acquire_generation(
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
@@ -602,7 +603,7 @@ def _samplers_as_run(samplers: str | list[str] | None) -> bool:
     return active == "ekypmt"
 
 
-def _as_run(req: LlamaCompletionRequest, name: str, value: object) -> bool:
+def _as_run(req: LlamaFields, name: str, value: object) -> bool:
     """Whether ``value`` of ``_OFF``'s field ``name`` changes nothing kvwarm runs: values
     other than the one "off" value that are off too. Found by review: a client sending
     ``repeat_last_n`` with no penalty on, or ``min_keep`` 1, was refused."""
@@ -621,9 +622,18 @@ def _as_run(req: LlamaCompletionRequest, name: str, value: object) -> bool:
     return value == _OFF[name][0]
 
 
-def refuse_unsupported(req: LlamaCompletionRequest) -> None:
-    """A 400 naming the first field of ``_OFF`` given a value that would change what runs."""
+#: ``_OFF``'s fields /infill takes at any value and ignores, as docs/server.md says: llama.vim
+#: sends ``samplers`` ["top_k", "top_p", "infill"] (a sampler kvwarm lacks) with every
+#: request, which a 400 would turn away; ``cache_prompt`` and ``id_slot`` change no reply.
+_INFILL_IGNORES = frozenset({"id_slot", "cache_prompt", "samplers"})
+
+
+def refuse_unsupported(req: LlamaFields, ignored: frozenset[str] = frozenset()) -> None:
+    """A 400 naming the first field of ``_OFF`` (but ``ignored``) given a value that would
+    change what runs."""
     for name, (off, why) in _OFF.items():
+        if name in ignored:
+            continue
         value = getattr(req, name)
         if _as_run(req, name, value):
             continue
