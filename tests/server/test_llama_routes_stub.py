@@ -166,6 +166,17 @@ def test_infill_takes_llama_vims_request(fim: TestClient) -> None:
     assert done.status_code == 200, done.text
 
 
+def test_an_infill_extra_file_without_text_is_refused(fim: TestClient) -> None:
+    """llama-server refuses an ``input_extra`` chunk without a string ``text``; kvwarm took it
+    as an empty file (one sending ``content`` lost its context without a word)."""
+    for chunk in ({"filename": "a.py", "content": "x = 1"}, {"filename": "a.py"}):
+        refused = fim.post("/infill", json={**INFILL, "input_extra": [chunk]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "input_extra.0.text"
+    kept = fim.post("/infill", json={**INFILL, "input_extra": [{"text": "x = 1"}]})
+    assert kept.status_code == 200, kept.text
+
+
 def test_completion_takes_the_off_values_llama_server_clients_send(client: TestClient) -> None:
     off = {"cache_prompt": True, "id_slot": -1, "mirostat": 0, "top_n_sigma": -1.0}
     done = client.post("/completion", json={"prompt": "x", "n_predict": 1, **off}, headers=AUTH)

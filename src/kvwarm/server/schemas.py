@@ -286,7 +286,11 @@ class CompletionRequest(LineStops):
 
 
 class ExtraChunk(_Body):
-    text: str = ""
+    """An ``input_extra`` file. ``text`` is required, as llama-server requires it (found by
+    review: a chunk without it, say one sending ``content``, was taken as an empty file, its
+    context dropped without a word)."""
+
+    text: str
     filename: str = "tmp"
 
 
