@@ -177,6 +177,19 @@ def test_an_infill_extra_file_without_text_is_refused(fim: TestClient) -> None:
     assert kept.status_code == 200, kept.text
 
 
+def test_infill_reads_json_schema_as_completion_does(fim: TestClient) -> None:
+    """llama-server's /infill reads ``json_schema`` as /completion does; kvwarm ignored it
+    there and answered unconstrained. (The stub constrains nothing by a schema: what shows
+    that it now reaches the options is the refusal of it with a grammar, as /completion's.)"""
+    schema = {"type": "string", "enum": ["xyzzy"]}
+    both = {"json_schema": schema, "grammar": 'root ::= "q"'}
+    for route, body in (("/completion", {"model": "fim", "prompt": "x"}), ("/infill", INFILL)):
+        refused = fim.post(route, json={**body, **both})
+        assert refused.status_code == 400, (route, refused.text)
+        assert refused.json()["error"]["param"] == "grammar"
+    assert fim.post("/infill", json={**INFILL, "json_schema": schema}).status_code == 200
+
+
 def test_completion_takes_the_off_values_llama_server_clients_send(client: TestClient) -> None:
     off = {"cache_prompt": True, "id_slot": -1, "mirostat": 0, "top_n_sigma": -1.0}
     done = client.post("/completion", json={"prompt": "x", "n_predict": 1, **off}, headers=AUTH)

@@ -303,6 +303,9 @@ class LlamaFields(LineStops):
     n_probs: JsonInt = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
     response_fields: list[str] | None = Field(default=None, max_length=256)
+    # The reply constrained to this JSON schema, as ``grammar`` constrains it (found by review:
+    # declared on /completion only, /infill ignored it and answered unconstrained).
+    json_schema: dict[str, object] | None = None
     # Refused unless "off" (llama-server's defaults): kvwarm has no such sampler or control
     # (``completions.refuse_unsupported``). Found by review: declared on /completion only, so
     # /infill dropped them silently (a mirostat or DRY request sampled without either).
@@ -340,7 +343,6 @@ class LlamaCompletionRequest(LlamaFields):
     prompt: str | TokenIds | list[str | TokenIds]
     # llama-server's name for n: choices per prompt.
     n: JsonInt = Field(default=1, ge=1, le=64, validation_alias=AliasChoices("n", "n_cmpl"))
-    json_schema: dict[str, object] | None = None
 
 
 class ImageUrl(_Body):

@@ -374,7 +374,9 @@ async def infill(request: Request) -> Response:
         raise HTTPError(400, "/infill makes one completion (n=1)", code="invalid_value", param="n")
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
     convert.length_within(req.n_predict, "n_predict", limit, over_limit)
-    opts = _llama_options(request, state, req, lora, logprobs=req.n_probs or None)
+    opts = _llama_options(
+        request, state, req, lora, json_schema=req.json_schema, logprobs=req.n_probs or None
+    )
     # Cut as llama-server cuts (its prefix, suffix and extra files' shares), leaving the
     # context room for this reply (llama-server's: for its server-wide -n).
     extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
