@@ -187,6 +187,8 @@ def test_infill_reads_json_schema_as_completion_does(fim: TestClient) -> None:
         refused = fim.post(route, json={**body, **both})
         assert refused.status_code == 400, (route, refused.text)
         assert refused.json()["error"]["param"] == "grammar"
+        # The field as these routes spell it (it named response_format, which they lack).
+        assert "json_schema" in refused.json()["error"]["message"]
     assert fim.post("/infill", json={**INFILL, "json_schema": schema}).status_code == 200
 
 
