@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec
 
 from .conftest import server_state, stub_settings, wait_ready
 
@@ -25,6 +26,17 @@ def client() -> Iterator[TestClient]:
     with TestClient(create_app(stub_settings(api_key=KEY, admin_key=ADMIN))) as c:
         wait_ready(c.get)
         yield c
+
+
+@pytest.fixture(scope="module")
+def fim() -> Iterator[TestClient]:
+    """A server of one model with FIM tokens, for /infill."""
+    with TestClient(create_app(stub_settings(models=(ModelSpec(path="stub-fim", id="fim"),)))) as c:
+        wait_ready(c.get)
+        yield c
+
+
+INFILL = {"model": "fim", "input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
 
 
 def _events(text: str) -> list[dict[str, object]]:
@@ -108,6 +120,76 @@ def test_completion_refuses_what_kvwarm_cannot_do_by_name(
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == field and error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("mirostat", 2),
+        ("dry_multiplier", 0.8),
+        ("xtc_probability", 0.5),
+        ("top_n_sigma", 1.0),
+        ("dynatemp_range", 0.5),
+        ("min_keep", 2),
+        ("timings_per_token", True),
+        ("return_progress", True),
+        ("post_sampling_probs", True),
+    ],
+)
+def test_infill_refuses_what_kvwarm_cannot_do_by_name(
+    fim: TestClient, field: str, value: object
+) -> None:
+    """Found by review: /infill dropped these silently (a mirostat or DRY request sampled
+    without either), where /completion refuses them."""
+    refused = fim.post("/infill", json={**INFILL, field: value})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and error["code"] == "unsupported_parameter"
+    penalised = {**INFILL, "repeat_last_n": 128, "repeat_penalty": 1.1}
+    assert fim.post("/infill", json=penalised).json()["error"]["param"] == "repeat_last_n"
+
+
+def test_infill_takes_llama_vims_request(fim: TestClient) -> None:
+    """What llama.vim sends with every request: its samplers (an "infill" sampler kvwarm has
+    not) and cache_prompt are ignored on /infill, as docs/server.md says, never refused."""
+    body = {
+        **INFILL,
+        "samplers": ["top_k", "top_p", "infill"],
+        "cache_prompt": True,
+        "id_slot": 0,
+        "top_k": 40,
+        "top_p": 0.9,
+        "mirostat": 0,
+        "min_keep": 1,
+    }
+    done = fim.post("/infill", json=body)
+    assert done.status_code == 200, done.text
+
+
+def test_an_infill_extra_file_without_text_is_refused(fim: TestClient) -> None:
+    """llama-server refuses an ``input_extra`` chunk without a string ``text``; kvwarm took it
+    as an empty file (one sending ``content`` lost its context without a word)."""
+    for chunk in ({"filename": "a.py", "content": "x = 1"}, {"filename": "a.py"}):
+        refused = fim.post("/infill", json={**INFILL, "input_extra": [chunk]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "input_extra.0.text"
+    kept = fim.post("/infill", json={**INFILL, "input_extra": [{"text": "x = 1"}]})
+    assert kept.status_code == 200, kept.text
+
+
+def test_infill_reads_json_schema_as_completion_does(fim: TestClient) -> None:
+    """llama-server's /infill reads ``json_schema`` as /completion does; kvwarm ignored it
+    there and answered unconstrained. (The stub constrains nothing by a schema: what shows
+    that it now reaches the options is the refusal of it with a grammar, as /completion's.)"""
+    schema = {"type": "string", "enum": ["xyzzy"]}
+    both = {"json_schema": schema, "grammar": 'root ::= "q"'}
+    for route, body in (("/completion", {"model": "fim", "prompt": "x"}), ("/infill", INFILL)):
+        refused = fim.post(route, json={**body, **both})
+        assert refused.status_code == 400, (route, refused.text)
+        assert refused.json()["error"]["param"] == "grammar"
+        # The field as these routes spell it (it named response_format, which they lack).
+        assert "json_schema" in refused.json()["error"]["message"]
+    assert fim.post("/infill", json={**INFILL, "json_schema": schema}).status_code == 200
 
 
 def test_completion_takes_the_off_values_llama_server_clients_send(client: TestClient) -> None:

@@ -190,6 +190,20 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 # llama.vim's line stops: a reply's lines indented 2 at least, and 1 s.
                 "n_indent": 2,
                 "t_max_predict_ms": 1000,
+                # llama.vim's samplers, ignored; the rest taken at their "off" values only.
+                "samplers": ["top_k", "top_p", "infill"],
+                "id_slot": -1,
+                "cache_prompt": True,
+                "mirostat": 0,
+                "dry_multiplier": 0.0,
+                "xtc_probability": 0.0,
+                "top_n_sigma": -1.0,
+                "dynatemp_range": 0.0,
+                "repeat_last_n": 64,
+                "min_keep": 0,
+                "timings_per_token": False,
+                "return_progress": False,
+                "post_sampling_probs": False,
             },
             {
                 **STREAMED,
@@ -198,6 +212,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "input_suffix": "):",
                 "grammar": 'root ::= "a"',
             },
+            {"model": "fim", "input_prefix": "def f(", "json_schema": JSON_SCHEMA},
         ],
     ),
     "/completion": (

@@ -89,8 +89,13 @@ def options(
     elif req.stop:
         stop = tuple(req.stop)
     if json_schema is not None and req.grammar is not None:
+        # Named by both spellings: /completion and /infill take the schema as json_schema
+        # (found by review: their refusal named response_format, a field they do not have).
         raise HTTPError(
-            400, "give grammar or response_format, not both", code="invalid_value", param="grammar"
+            400,
+            "give grammar or a JSON schema (response_format, json_schema), not both",
+            code="invalid_value",
+            param="grammar",
         )
     bias: dict[int, float] | None = None
     if req.logit_bias:

@@ -286,7 +286,11 @@ class CompletionRequest(LineStops):
 
 
 class ExtraChunk(_Body):
-    text: str = ""
+    """An ``input_extra`` file. ``text`` is required, as llama-server requires it (found by
+    review: a chunk without it, say one sending ``content``, was taken as an empty file, its
+    context dropped without a word)."""
+
+    text: str
     filename: str = "tmp"
 
 
@@ -299,6 +303,25 @@ class LlamaFields(LineStops):
     n_probs: JsonInt = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
     response_fields: list[str] | None = Field(default=None, max_length=256)
+    # The reply constrained to this JSON schema, as ``grammar`` constrains it (found by review:
+    # declared on /completion only, /infill ignored it and answered unconstrained).
+    json_schema: dict[str, object] | None = None
+    # Refused unless "off" (llama-server's defaults): kvwarm has no such sampler or control
+    # (``completions.refuse_unsupported``). Found by review: declared on /completion only, so
+    # /infill dropped them silently (a mirostat or DRY request sampled without either).
+    id_slot: JsonInt = -1
+    cache_prompt: bool = True
+    mirostat: JsonInt = 0
+    dry_multiplier: StrictNumber = 0.0
+    xtc_probability: StrictNumber = 0.0
+    top_n_sigma: StrictNumber = -1.0
+    dynatemp_range: StrictNumber = 0.0
+    repeat_last_n: JsonInt = 64
+    min_keep: JsonInt = 0
+    samplers: str | list[str] | None = None
+    timings_per_token: bool = False
+    return_progress: bool = False
+    post_sampling_probs: bool = False
 
 
 class InfillRequest(LlamaFields):
@@ -320,21 +343,6 @@ class LlamaCompletionRequest(LlamaFields):
     prompt: str | TokenIds | list[str | TokenIds]
     # llama-server's name for n: choices per prompt.
     n: JsonInt = Field(default=1, ge=1, le=64, validation_alias=AliasChoices("n", "n_cmpl"))
-    json_schema: dict[str, object] | None = None
-    # Refused unless "off" (llama-server's defaults): kvwarm has no such sampler or control.
-    id_slot: JsonInt = -1
-    cache_prompt: bool = True
-    mirostat: JsonInt = 0
-    dry_multiplier: StrictNumber = 0.0
-    xtc_probability: StrictNumber = 0.0
-    top_n_sigma: StrictNumber = -1.0
-    dynatemp_range: StrictNumber = 0.0
-    repeat_last_n: JsonInt = 64
-    min_keep: JsonInt = 0
-    samplers: str | list[str] | None = None
-    timings_per_token: bool = False
-    return_progress: bool = False
-    post_sampling_probs: bool = False
 
 
 class ImageUrl(_Body):

@@ -366,6 +366,7 @@ async def infill(request: Request) -> Response:
     ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), InfillRequest)
+    refuse_unsupported(req, _INFILL_IGNORES)
     model, lora = await state.acquire_generation(
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
@@ -373,7 +374,9 @@ async def infill(request: Request) -> Response:
         raise HTTPError(400, "/infill makes one completion (n=1)", code="invalid_value", param="n")
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
     convert.length_within(req.n_predict, "n_predict", limit, over_limit)
-    opts = _llama_options(request, state, req, lora, logprobs=req.n_probs or None)
+    opts = _llama_options(
+        request, state, req, lora, json_schema=req.json_schema, logprobs=req.n_probs or None
+    )
     # Cut as llama-server cuts (its prefix, suffix and extra files' shares), leaving the
     # context room for this reply (llama-server's: for its server-wide -n).
     extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
@@ -602,7 +605,7 @@ def _samplers_as_run(samplers: str | list[str] | None) -> bool:
     return active == "ekypmt"
 
 
-def _as_run(req: LlamaCompletionRequest, name: str, value: object) -> bool:
+def _as_run(req: LlamaFields, name: str, value: object) -> bool:
     """Whether ``value`` of ``_OFF``'s field ``name`` changes nothing kvwarm runs: values
     other than the one "off" value that are off too. Found by review: a client sending
     ``repeat_last_n`` with no penalty on, or ``min_keep`` 1, was refused."""
@@ -621,9 +624,18 @@ def _as_run(req: LlamaCompletionRequest, name: str, value: object) -> bool:
     return value == _OFF[name][0]
 
 
-def refuse_unsupported(req: LlamaCompletionRequest) -> None:
-    """A 400 naming the first field of ``_OFF`` given a value that would change what runs."""
+#: ``_OFF``'s fields /infill takes at any value and ignores, as docs/server.md says: llama.vim
+#: sends ``samplers`` ["top_k", "top_p", "infill"] (a sampler kvwarm lacks) with every
+#: request, which a 400 would turn away; ``cache_prompt`` and ``id_slot`` change no reply.
+_INFILL_IGNORES = frozenset({"id_slot", "cache_prompt", "samplers"})
+
+
+def refuse_unsupported(req: LlamaFields, ignored: frozenset[str] = frozenset()) -> None:
+    """A 400 naming the first field of ``_OFF`` (but ``ignored``) given a value that would
+    change what runs."""
     for name, (off, why) in _OFF.items():
+        if name in ignored:
+            continue
         value = getattr(req, name)
         if _as_run(req, name, value):
             continue
