@@ -91,23 +91,30 @@ def test_completion_of_several_prompts_is_a_list_indexed_as_llama_server(
     assert client.post("/completion", json={**body, "n_cmpl": 3}, headers=AUTH).status_code == 400
 
 
+#: llama-server's samplers and controls kvwarm lacks, at a value that would change what runs:
+#: /completion and /infill refuse them by name.
+CONTROLS: list[tuple[str, object]] = [
+    ("mirostat", 2),
+    ("dry_multiplier", 0.8),
+    ("xtc_probability", 0.5),
+    ("top_n_sigma", 1.0),
+    ("dynatemp_range", 0.5),
+    ("min_keep", 2),
+    ("timings_per_token", True),
+    ("return_progress", True),
+    ("post_sampling_probs", True),
+]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("mirostat", 2),
-        ("dry_multiplier", 0.8),
-        ("xtc_probability", 0.5),
-        ("top_n_sigma", 1.0),
-        ("dynatemp_range", 0.5),
+        *CONTROLS,
         ("repeat_last_n", 128),
-        ("min_keep", 2),
         ("id_slot", 0),
         ("cache_prompt", False),
         ("samplers", ["top_k", "temperature"]),
         ("samplers", "edskympxt"),  # min-p before top-p
-        ("timings_per_token", True),
-        ("return_progress", True),
-        ("post_sampling_probs", True),
     ],
 )
 def test_completion_refuses_what_kvwarm_cannot_do_by_name(
@@ -122,20 +129,7 @@ def test_completion_refuses_what_kvwarm_cannot_do_by_name(
     assert error["param"] == field and error["code"] == "unsupported_parameter"
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("mirostat", 2),
-        ("dry_multiplier", 0.8),
-        ("xtc_probability", 0.5),
-        ("top_n_sigma", 1.0),
-        ("dynatemp_range", 0.5),
-        ("min_keep", 2),
-        ("timings_per_token", True),
-        ("return_progress", True),
-        ("post_sampling_probs", True),
-    ],
-)
+@pytest.mark.parametrize(("field", "value"), CONTROLS)
 def test_infill_refuses_what_kvwarm_cannot_do_by_name(
     fim: TestClient, field: str, value: object
 ) -> None:

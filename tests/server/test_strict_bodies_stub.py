@@ -103,6 +103,23 @@ RESPONSES_TOOLS = [
     }
 ]
 
+#: llama-server's samplers and controls kvwarm lacks, at their "off" values (llama-server's
+#: defaults), which /completion and /infill take.
+LLAMA_OFF: dict[str, object] = {
+    "id_slot": -1,
+    "cache_prompt": True,
+    "mirostat": 0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+    "top_n_sigma": -1.0,
+    "dynatemp_range": 0.0,
+    "repeat_last_n": 64,
+    "min_keep": 0,
+    "timings_per_token": False,
+    "return_progress": False,
+    "post_sampling_probs": False,
+}
+
 #: Per route: its body model, and valid bodies that between them set every field it declares.
 BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
     "/v1/completions": (
@@ -192,18 +209,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "t_max_predict_ms": 1000,
                 # llama.vim's samplers, ignored; the rest taken at their "off" values only.
                 "samplers": ["top_k", "top_p", "infill"],
-                "id_slot": -1,
-                "cache_prompt": True,
-                "mirostat": 0,
-                "dry_multiplier": 0.0,
-                "xtc_probability": 0.0,
-                "top_n_sigma": -1.0,
-                "dynatemp_range": 0.0,
-                "repeat_last_n": 64,
-                "min_keep": 0,
-                "timings_per_token": False,
-                "return_progress": False,
-                "post_sampling_probs": False,
+                **LLAMA_OFF,
             },
             {
                 **STREAMED,
@@ -228,20 +234,9 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "response_fields": ["content"],
                 # llama-server's fields kvwarm takes at their "off" values only (but the
                 # line stops, which it runs).
-                "id_slot": -1,
-                "cache_prompt": True,
-                "mirostat": 0,
-                "dry_multiplier": 0.0,
-                "xtc_probability": 0.0,
-                "top_n_sigma": -1.0,
-                "dynatemp_range": 0.0,
-                "repeat_last_n": 64,
-                "min_keep": 0,
+                **LLAMA_OFF,
                 "n_indent": 4,
                 "t_max_predict_ms": 500,
-                "timings_per_token": False,
-                "return_progress": False,
-                "post_sampling_probs": False,
             },
             {**STREAMED, "model": "a", "prompt": "x", "json_schema": JSON_SCHEMA},
             {"model": "a", "prompt": [1, 2], "grammar": 'root ::= "a"'},
