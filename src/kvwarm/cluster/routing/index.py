@@ -476,7 +476,11 @@ class ClusterIndex:
                 for replica in running:
                     give(replica, source, n)
 
-        walk = _chunk_walk(namespace, tokens) if tokens and namespace is not None else None
+        # Only where some store reported chunk steps (checked again under the lock): the walk
+        # encodes the whole prompt, once per routing decision.
+        walk = None
+        if self._steps and tokens and namespace is not None:
+            walk = _chunk_walk(namespace, tokens)
         with self._lock:
             if walk is not None and self._steps:
                 for store, steps in self._steps.items():
